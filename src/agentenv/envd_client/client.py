@@ -1,0 +1,411 @@
+"""Async client for the envd protocol spoken by the AgentENV guest agent (and by E2B's envd).
+
+The orchestrator keeps one :class:`EnvdClient` per sandbox. It holds a single persistent
+``httpx.AsyncClient`` so that consecutive calls reuse a kept-alive TCP connection: an exec round trip
+should cost a few milliseconds, not a TCP handshake each time.
+
+Wire format (see the E2B wire-protocol reference, section 4): Connect RPC with the JSON codec over
+HTTP/1.1. Unary calls POST a JSON message and get a JSON answer (errors: non-200 with
+``{"code": "<connect code>", "message": ...}``). Server streams POST one 5-byte-framed envelope
+(``flags u8 | length u32 BE | JSON``) and read a sequence of envelopes terminated by an
+end-of-stream envelope (flag ``0x02``) that may carry an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import inspect
+import json
+import os
+import struct
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import httpx
+
+__all__ = ["CommandResult", "EnvdClient", "EnvdError", "EnvdUnavailable", "ProcessEvent"]
+
+# HTTP status -> Connect code, for plain (non-Connect) error responses (reference §3.4).
+_STATUS_CODES = {
+    400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied", 404: "not_found",
+    409: "already_exists", 413: "resource_exhausted", 429: "resource_exhausted", 499: "canceled",
+    500: "internal", 501: "unimplemented", 502: "unavailable", 503: "unavailable",
+    504: "deadline_exceeded", 505: "unimplemented", 507: "resource_exhausted",
+}
+_END_STREAM = 0x02
+# The agent sends a keepalive after this many idle seconds on process streams; we give up on a
+# stream that stays silent for several intervals (a dead VM never closes the TCP connection).
+_KEEPALIVE_S = 20
+_STREAM_READ_TIMEOUT_S = 4 * _KEEPALIVE_S
+
+OutputCallback = Callable[[bytes], "Awaitable[None] | None"]
+
+
+class EnvdError(Exception):
+    """An error reported by envd (or derived from an HTTP status). ``code`` is a Connect code
+    such as ``not_found``, ``deadline_exceeded`` or ``unauthenticated``."""
+
+    def __init__(self, code: str, message: str, status: int | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.status = status
+
+
+class EnvdUnavailable(EnvdError):
+    """The agent could not be reached (connection refused/reset, timeout, VM gone)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unavailable", message)
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """Outcome of :meth:`EnvdClient.run`. ``exit_code`` is -1 when a signal killed the process;
+    ``error`` is envd's error text (``"exit status 1"``, ``"signal: killed"``) or None."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    pid: int
+    error: str | None
+
+
+@dataclass(frozen=True)
+class ProcessEvent:
+    """One event of a process stream.
+
+    ``type`` is ``"start"`` (``pid`` set), ``"stdout"``/``"stderr"``/``"pty"`` (``data`` set) or
+    ``"end"`` (``exit_code``, ``exited``, ``status``, ``error`` set). Keepalives are not surfaced.
+    """
+
+    type: str
+    pid: int = 0
+    data: bytes = b""
+    exit_code: int = 0
+    exited: bool = False
+    status: str = ""
+    error: str | None = None
+
+
+def _parse_event(message: dict) -> ProcessEvent | None:
+    event = message.get("event") or {}
+    if "start" in event:
+        return ProcessEvent("start", pid=int(event["start"].get("pid", 0)))
+    if "data" in event:
+        (kind, b64), = event["data"].items()
+        return ProcessEvent(kind, data=base64.b64decode(b64))
+    if "end" in event:
+        end = event["end"]
+        return ProcessEvent("end", exit_code=int(end.get("exitCode", 0)), exited=bool(end.get("exited")),
+                            status=end.get("status", ""), error=end.get("error"))
+    return None  # keepalive or an event type this client does not know
+
+
+def _envelope(message: dict) -> bytes:
+    data = json.dumps(message).encode()
+    return struct.pack(">BI", 0, len(data)) + data
+
+
+def _error_from_body(status: int, body: bytes) -> EnvdError:
+    """Turn a non-2xx response into an EnvdError (Connect string codes or envd's integer codes)."""
+    code, message = _STATUS_CODES.get(status, "unknown"), body.decode(errors="replace")[:500]
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        message = str(obj.get("message", message))
+        if isinstance(obj.get("code"), str):
+            code = obj["code"]
+        elif isinstance(obj.get("code"), int):
+            code = _STATUS_CODES.get(obj["code"], code)
+    return EnvdError(code, message, status)
+
+
+async def _call(callback: OutputCallback | None, data: bytes) -> None:
+    if callback is not None:
+        result = callback(data)
+        if inspect.isawaitable(result):
+            await result
+
+
+class EnvdClient:
+    """Talks to one guest agent at ``base_url`` (``http://<ip>:49983``)."""
+
+    def __init__(self, base_url: str, access_token: str | None = None, timeout: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.access_token = access_token
+        self.timeout = timeout
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=60.0),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> EnvdClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def _headers(self, user: str | None = None, **extra: str) -> dict[str, str]:
+        headers = dict(extra)
+        if self.access_token:
+            headers["X-Access-Token"] = self.access_token
+        if user:
+            headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
+        return headers
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise EnvdUnavailable(f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+
+    async def rpc(self, method: str, message: dict, user: str | None = None) -> dict:
+        """A unary Connect call, e.g. ``rpc("filesystem.Filesystem/Stat", {"path": "/"})``."""
+        resp = await self._request(
+            "POST", f"/{method}", content=json.dumps(message).encode(),
+            headers=self._headers(user, **{"Content-Type": "application/json", "Connect-Protocol-Version": "1",
+                                           "Connect-Timeout-Ms": str(int(self.timeout * 1000))}))
+        if resp.status_code != 200:
+            raise _error_from_body(resp.status_code, resp.content)
+        return resp.json()
+
+    async def _server_stream(self, method: str, message: dict, user: str | None,
+                             timeout: float | None) -> AsyncIterator[dict]:
+        """A server-streaming Connect call; yields decoded messages, raises on an error end."""
+        headers = self._headers(user, **{
+            "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
+            "Keepalive-Ping-Interval": str(_KEEPALIVE_S)})
+        if timeout:
+            headers["Connect-Timeout-Ms"] = str(max(1, int(timeout * 1000)))
+        request = self._http.build_request(
+            "POST", f"/{method}", content=_envelope(message), headers=headers,
+            timeout=httpx.Timeout(self.timeout, read=_STREAM_READ_TIMEOUT_S))
+        try:
+            resp = await self._http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise EnvdUnavailable(f"{method}: {type(exc).__name__}: {exc}") from exc
+        try:
+            if resp.status_code != 200:
+                raise _error_from_body(resp.status_code, await resp.aread())
+            buf = bytearray()
+            async for chunk in resp.aiter_bytes():
+                buf += chunk
+                while len(buf) >= 5:
+                    flags, length = struct.unpack(">BI", buf[:5])
+                    if len(buf) < 5 + length:
+                        break
+                    payload = json.loads(bytes(buf[5:5 + length]))
+                    del buf[:5 + length]
+                    if flags & _END_STREAM:
+                        error = payload.get("error")
+                        if error:
+                            raise EnvdError(error.get("code", "unknown"), error.get("message", ""))
+                        return
+                    yield payload
+            raise EnvdUnavailable(f"{method}: stream ended without an end-of-stream message")
+        except httpx.TransportError as exc:
+            raise EnvdUnavailable(f"{method}: {type(exc).__name__}: {exc}") from exc
+        except ValueError as exc:  # undecodable JSON in an envelope
+            raise EnvdError("internal", f"{method}: malformed stream message: {exc}") from exc
+        finally:
+            await resp.aclose()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def health(self, timeout: float = 1.0) -> bool:
+        """True if ``GET /health`` answers 2xx; False on connection errors or other statuses."""
+        return await self._probe(timeout) is None
+
+    async def _probe(self, timeout: float) -> str | None:
+        """None when healthy, else why not (for error messages)."""
+        try:
+            resp = await self._http.get("/health", timeout=timeout)
+        except httpx.TransportError as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return None if 200 <= resp.status_code < 300 else f"HTTP {resp.status_code}"
+
+    async def wait_healthy(self, deadline_s: float) -> None:
+        """Poll /health until it succeeds; raise EnvdUnavailable after ``deadline_s`` seconds."""
+        start = time.monotonic()
+        delay = 0.01
+        while True:
+            left = deadline_s - (time.monotonic() - start)
+            problem = await self._probe(timeout=max(0.05, min(1.0, left)))
+            if problem is None:
+                return
+            left = deadline_s - (time.monotonic() - start)
+            if left <= 0:
+                raise EnvdUnavailable(f"guest agent at {self.base_url} did not become healthy within "
+                                      f"{deadline_s:.1f}s (last probe: {problem})")
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 0.2)
+
+    async def init(self, *, sandbox_id: str, template_id: str, env_vars: dict[str, str],
+                   access_token: str | None, hostname: str | None = None) -> None:
+        """``POST /init``: identity, env vars, access token, current clock and fresh entropy.
+        Call after boot and after every snapshot restore. Later calls use ``access_token``."""
+        body: dict[str, Any] = {
+            "sandboxId": sandbox_id, "templateId": template_id, "envVars": env_vars,
+            "accessToken": access_token, "timestamp": time.time(),
+            "entropy": base64.b64encode(os.urandom(32)).decode(),
+        }
+        if hostname:
+            body["hostname"] = hostname
+        resp = await self._request("POST", "/init", json=body, headers=self._headers())
+        if not 200 <= resp.status_code < 300:
+            raise _error_from_body(resp.status_code, resp.content)
+        self.access_token = access_token
+
+    # ---- processes --------------------------------------------------------------------------
+
+    async def stream(self, cmd: str | list[str], *, envs: dict[str, str] | None = None,
+                     cwd: str | None = None, user: str | None = None, timeout: float | None = None,
+                     stdin: bool = False, tag: str | None = None) -> AsyncIterator[ProcessEvent]:
+        """Start a process and yield its events: ``start``, ``stdout``/``stderr`` chunks, ``end``.
+
+        A ``str`` runs as ``/bin/bash -l -c cmd``; a list is the argv. ``timeout`` (seconds) is the
+        process lifetime: the agent kills it and the stream raises ``EnvdError("deadline_exceeded")``.
+        Abandoning the iteration disconnects but does not kill the process.
+        """
+        argv = ["/bin/bash", "-l", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not argv:
+            raise ValueError("empty command")
+        process: dict[str, Any] = {"cmd": argv[0], "args": argv[1:], "envs": envs or {}}
+        if cwd:
+            process["cwd"] = cwd
+        message: dict[str, Any] = {"process": process, "stdin": stdin}
+        if tag:
+            message["tag"] = tag
+        async with aclosing(self._server_stream("process.Process/Start", message, user, timeout)) as payloads:
+            async for payload in payloads:
+                if (event := _parse_event(payload)) is not None:
+                    yield event
+
+    async def connect(self, pid: int, timeout: float | None = None) -> AsyncIterator[ProcessEvent]:
+        """Re-attach to a running (or recently finished) process: ``start``, further output, ``end``."""
+        message = {"process": {"pid": pid}}
+        async with aclosing(self._server_stream("process.Process/Connect", message, None, timeout)) as payloads:
+            async for payload in payloads:
+                if (event := _parse_event(payload)) is not None:
+                    yield event
+
+    async def run(self, cmd: str | list[str], *, envs: dict[str, str] | None = None,
+                  cwd: str | None = None, user: str | None = None, timeout: float | None = None,
+                  on_stdout: OutputCallback | None = None,
+                  on_stderr: OutputCallback | None = None) -> CommandResult:
+        """Run a command to completion, collecting output (callbacks get chunks as they arrive).
+        A non-zero exit is a normal result, not an exception."""
+        pid, stdout, stderr = 0, bytearray(), bytearray()
+        result: CommandResult | None = None
+        async with aclosing(self.stream(cmd, envs=envs, cwd=cwd, user=user, timeout=timeout)) as events:
+            async for event in events:
+                if event.type == "start":
+                    pid = event.pid
+                elif event.type == "stdout":
+                    stdout += event.data
+                    await _call(on_stdout, event.data)
+                elif event.type == "stderr":
+                    stderr += event.data
+                    await _call(on_stderr, event.data)
+                elif event.type == "end":
+                    result = CommandResult(event.exit_code, bytes(stdout), bytes(stderr), pid, event.error)
+        if result is None:
+            raise EnvdError("internal", "process stream ended without an end event")
+        return result
+
+    async def list_processes(self) -> list[dict]:
+        """Running processes started through the agent: ``[{"config": {...}, "pid": N, "tag"?: ...}]``."""
+        return (await self.rpc("process.Process/List", {})).get("processes", [])
+
+    async def send_signal(self, pid: int, signal: str = "SIGKILL") -> bool:
+        """Send ``SIGKILL``/``SIGTERM``; False when no such process is running."""
+        try:
+            await self.rpc("process.Process/SendSignal", {"process": {"pid": pid}, "signal": f"SIGNAL_{signal}"})
+        except EnvdError as exc:
+            if exc.code == "not_found":
+                return False
+            raise
+        return True
+
+    async def send_stdin(self, pid: int, data: bytes) -> None:
+        await self.rpc("process.Process/SendInput",
+                       {"process": {"pid": pid}, "input": {"stdin": base64.b64encode(data).decode()}})
+
+    async def close_stdin(self, pid: int) -> None:
+        await self.rpc("process.Process/CloseStdin", {"process": {"pid": pid}})
+
+    # ---- filesystem -------------------------------------------------------------------------
+
+    async def stat(self, path: str, user: str | None = None) -> dict:
+        """EntryInfo of ``path`` (raises EnvdError ``not_found`` if missing)."""
+        return (await self.rpc("filesystem.Filesystem/Stat", {"path": path}, user))["entry"]
+
+    async def list_dir(self, path: str, depth: int = 1, user: str | None = None) -> list[dict]:
+        return (await self.rpc("filesystem.Filesystem/ListDir", {"path": path, "depth": depth}, user)).get(
+            "entries", [])
+
+    async def make_dir(self, path: str, user: str | None = None) -> bool:
+        """``mkdir -p``; False if the directory already existed."""
+        try:
+            await self.rpc("filesystem.Filesystem/MakeDir", {"path": path}, user)
+        except EnvdError as exc:
+            if exc.code == "already_exists":
+                return False
+            raise
+        return True
+
+    async def move(self, source: str, destination: str, user: str | None = None) -> dict:
+        return (await self.rpc("filesystem.Filesystem/Move",
+                               {"source": source, "destination": destination}, user))["entry"]
+
+    async def remove(self, path: str, user: str | None = None) -> None:
+        """Recursive remove; a missing path is not an error."""
+        await self.rpc("filesystem.Filesystem/Remove", {"path": path}, user)
+
+    def _file_params(self, path: str, user: str | None) -> dict[str, str]:
+        return {"path": path, **({"username": user} if user else {})}
+
+    async def read_file(self, path: str, user: str | None = None) -> bytes:
+        resp = await self._request("GET", "/files", params=self._file_params(path, user),
+                                   headers=self._headers())
+        if resp.status_code != 200:
+            raise _error_from_body(resp.status_code, resp.content)
+        return resp.content
+
+    async def download(self, path: str, user: str | None = None) -> AsyncIterator[bytes]:
+        """Stream a file's content in chunks without holding it in memory."""
+        request = self._http.build_request("GET", "/files", params=self._file_params(path, user),
+                                           headers=self._headers())
+        try:
+            resp = await self._http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise EnvdUnavailable(f"GET /files: {type(exc).__name__}: {exc}") from exc
+        try:
+            if resp.status_code != 200:
+                raise _error_from_body(resp.status_code, await resp.aread())
+            async for chunk in resp.aiter_bytes():
+                yield chunk
+        except httpx.TransportError as exc:
+            raise EnvdUnavailable(f"GET /files: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await resp.aclose()
+
+    async def write_file(self, path: str, data: bytes | AsyncIterator[bytes], user: str | None = None) -> None:
+        """Write (create or replace) a file; an async iterator is streamed with chunked encoding.
+        Parent directories are created. A full disk raises EnvdError ``resource_exhausted``."""
+        resp = await self._request("POST", "/files", params=self._file_params(path, user), content=data,
+                                   headers=self._headers(**{"Content-Type": "application/octet-stream"}))
+        if resp.status_code != 200:
+            raise _error_from_body(resp.status_code, resp.content)
