@@ -1,0 +1,47 @@
+"""The ASGI application: routes, auth and the lifespan that starts and stops the orchestrator."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+
+from agentenv import __version__
+from agentenv.api import errors
+from agentenv.api.routes import data, sandboxes, system
+from agentenv.orchestrator import Orchestrator
+
+
+def create_app(orch: Orchestrator, api_key: str) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await orch.start()
+        try:
+            yield
+        finally:
+            await orch.stop()
+
+    async def require_key(request: Request) -> None:
+        given = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise _Unauthorized("missing or invalid API key: send it in the X-API-Key header")
+            raise _Unauthorized("missing or invalid API key: send it in the X-API-Key header")
+
+    app = FastAPI(title="AgentENV API", version=__version__, lifespan=lifespan)
+    app.state.orch = orch
+    errors.install(app)
+
+    @app.exception_handler(_Unauthorized)
+    async def _unauth(_req: Request, exc: _Unauthorized):  # type: ignore[no-untyped-def]
+        return errors.error_response(401, str(exc))
+
+    app.include_router(system.router)
+    app.include_router(sandboxes.router, dependencies=[Depends(require_key)])
+    app.include_router(data.router, dependencies=[Depends(require_key)])
+    return app
+
+
+class _Unauthorized(Exception):
+    pass

@@ -1,0 +1,74 @@
+"""Errors become HTTP answers here, and only here.
+
+Body shape is E2B's: ``{"code": <http status>, "message": "..."}``. The status of each error
+class is found by walking the exception's MRO through ``STATUS``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from agentenv import errors as e
+from agentenv.envd_client import EnvdError
+
+log = logging.getLogger(__name__)
+
+STATUS: dict[type[BaseException], int] = {
+    e.InvalidRequest: 400,
+    e.NotFound: 404,
+    e.SandboxStateError: 409,
+    e.CapacityExhausted: 429,
+    e.DiskFull: 507,
+    e.GuestError: 502,
+    e.PlatformError: 500,
+    e.AgentenvError: 500,
+}
+
+# Connect codes of the guest agent, as HTTP statuses of the native exec/files routes.
+ENVD_STATUS = {
+    "invalid_argument": 400, "unauthenticated": 400, "not_found": 404, "already_exists": 409,
+    "permission_denied": 403, "resource_exhausted": 507, "deadline_exceeded": 504,
+    "unavailable": 502, "unimplemented": 501,
+}
+
+
+def status_of(exc: BaseException) -> int:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(e.AgentenvError)
+    async def _agentenv(_req: Request, exc: e.AgentenvError) -> JSONResponse:
+        status = status_of(exc)
+        if status >= 500:
+            log.error("%s: %s", type(exc).__name__, exc.message)
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, e.CapacityExhausted) else None
+        return error_response(status, exc.message, headers)
+
+    @app.exception_handler(EnvdError)
+    async def _envd(_req: Request, exc: EnvdError) -> JSONResponse:
+        return error_response(ENVD_STATUS.get(exc.code, 502), f"guest agent: {exc.message}")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc or 'body'}: {err.get('msg')}")
+        return error_response(400, "invalid request: " + "; ".join(parts))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_req: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))

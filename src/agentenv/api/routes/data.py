@@ -1,0 +1,71 @@
+"""Native data-plane routes: run a command and move files (issue #4 adds the E2B envd proxy).
+
+Command output and file contents stream in both directions; nothing is buffered whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from agentenv.api.models import ExecRequest, ExecResult
+from agentenv.api.routes.sandboxes import _orch
+
+router = APIRouter()
+
+
+def _timeout(t: float | None) -> float | None:
+    return None if not t else t
+
+
+@router.post("/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
+async def exec_command(sandbox_id: str, body: ExecRequest, request: Request) -> Response:
+    orch = _orch(request)
+    if body.stream:
+        events = orch.exec_stream(sandbox_id, body.cmd, envs=body.envs, cwd=body.cwd, user=body.user,
+                                  timeout=_timeout(body.timeout))
+
+        async def ndjson() -> AsyncIterator[bytes]:
+            async for ev in events:
+                d: dict[str, object] = {"type": ev.type}
+                if ev.type == "start":
+                    d["pid"] = ev.pid
+                elif ev.type in ("stdout", "stderr", "pty"):
+                    d["data"] = ev.data.decode(errors="replace")
+                elif ev.type == "end":
+                    d.update(exitCode=ev.exit_code, status=ev.status, error=ev.error)
+                yield json.dumps(d).encode() + b"\n"
+
+        return StreamingResponse(ndjson(), media_type="application/x-ndjson")
+    res = await orch.exec(sandbox_id, body.cmd, envs=body.envs, cwd=body.cwd, user=body.user,
+                          timeout=_timeout(body.timeout))
+    out = ExecResult(exitCode=res.exit_code, stdout=res.stdout.decode(errors="replace"),
+                     stderr=res.stderr.decode(errors="replace"), error=res.error)
+    return Response(out.model_dump_json(), media_type="application/json")
+
+
+@router.get("/sandboxes/{sandbox_id}/files")
+async def read_file(sandbox_id: str, request: Request, path: str = Query(min_length=1),
+                    user: str | None = None) -> StreamingResponse:
+    envd = _orch(request).envd(sandbox_id)
+    chunks = envd.download(path, user=user)
+    first = await anext(chunks, b"")  # surface a missing file as 404 before the 200 is sent
+
+    async def body() -> AsyncIterator[bytes]:
+        if first:
+            yield first
+        async for c in chunks:
+            yield c
+
+    return StreamingResponse(body(), media_type="application/octet-stream")
+
+
+@router.put("/sandboxes/{sandbox_id}/files", status_code=204, response_class=Response)
+async def write_file(sandbox_id: str, request: Request, path: str = Query(min_length=1),
+                     user: str | None = None) -> Response:
+    envd = _orch(request).envd(sandbox_id)
+    await envd.write_file(path, request.stream(), user=user)
+    return Response(status_code=204)

@@ -1,0 +1,32 @@
+"""Unauthenticated routes: health and node details."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from agentenv import __version__
+
+router = APIRouter()
+
+
+@router.get("/health", status_code=204, response_class=Response)
+async def health() -> Response:
+    return Response(status_code=204)
+
+
+@router.get("/health/details")
+async def health_details(request: Request) -> dict[str, object]:
+    """What a operator checks first: the accelerator in use and why, and the load."""
+    orch = request.app.state.orch
+    counts: dict[str, int] = {}
+    for r in orch.list():
+        counts[r.state.value] = counts.get(r.state.value, 0) + 1
+    return {
+        "version": __version__,
+        "accel": orch.accel.accel,
+        "accelReason": orch.accel.reason,
+        "accelForced": orch.accel.forced,
+        "sandboxes": counts,
+        "maxSandboxes": orch.settings.max_sandboxes,
+        "templates": [t.name for t in orch.templates()],
+    }

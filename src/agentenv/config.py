@@ -1,0 +1,94 @@
+"""Settings: the one place configuration is read.
+
+Only ``server.py`` and ``cli/`` call ``Settings.from_env``; every other module receives the
+values it needs as arguments (docs/architecture.md, "configuration").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+Accel = Literal["auto", "kvm", "tcg"]
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a node needs to know. Defaults are the embedded single-node setup."""
+
+    data_dir: Path = Path("/var/lib/agentenv")
+    cache_dir: Path | None = None  # kernel, initramfs and rootfs builds; default data_dir/cache
+    mem_root: Path = Path("/dev/shm/agentenv")  # tmpfs for template memory files
+    host: str = "127.0.0.1"
+    port: int = 8000
+    accel: Accel = "auto"
+    slot_cidr: str = "10.213.0.0/16"  # host-side addresses of sandbox namespaces, a /30 each
+    max_sandboxes: int = 64
+    max_vcpus: int = 8
+    max_memory_mb: int = 8192
+    default_timeout_s: int = 300
+    max_timeout_s: int = 24 * 3600
+    pool_size: int = 2  # warm restore shells kept per hot template
+    slot_pool_size: int = 4  # network namespaces kept ready
+    boot_timeout_s: float = 120.0  # cold boot until the agent answers (TCG is slow)
+    restore_timeout_s: float = 20.0  # restore until the agent answers
+    tcg_tb_size_mb: int = 32  # TCG translation cache per VM; bounds host memory per sandbox
+    api_key: str | None = None  # overrides the generated key file
+    faults: frozenset[str] = frozenset()  # injected fault points, for tests only (AENV_FAULTS)
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        """Build settings from AENV_* environment variables (unset ⇒ default)."""
+        d = cls()
+        s = replace(
+            d,
+            data_dir=Path(_env("AENV_DATA_DIR", str(d.data_dir))),
+            cache_dir=Path(os.environ["AENV_CACHE_DIR"]) if "AENV_CACHE_DIR" in os.environ else None,
+            mem_root=Path(_env("AENV_MEM_DIR", str(d.mem_root))),
+            host=_env("AENV_HOST", d.host),
+            port=int(_env("AENV_PORT", str(d.port))),
+            accel=_env("AENV_ACCEL", d.accel),  # type: ignore[arg-type]
+            slot_cidr=_env("AENV_SLOT_CIDR", d.slot_cidr),
+            max_sandboxes=int(_env("AENV_MAX_SANDBOXES", str(d.max_sandboxes))),
+            pool_size=int(_env("AENV_POOL_SIZE", str(d.pool_size))),
+            slot_pool_size=int(_env("AENV_SLOT_POOL_SIZE", str(d.slot_pool_size))),
+            api_key=os.environ.get("AENV_API_KEY"),
+            boot_timeout_s=float(_env("AENV_BOOT_TIMEOUT", str(d.boot_timeout_s))),
+            restore_timeout_s=float(_env("AENV_RESTORE_TIMEOUT", str(d.restore_timeout_s))),
+            faults=frozenset(f for f in _env("AENV_FAULTS", "").split(",") if f),
+        )
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        if self.accel not in ("auto", "kvm", "tcg"):
+            raise ValueError(f"AENV_ACCEL must be auto, kvm or tcg, not {self.accel!r}")
+        net = ipaddress.ip_network(self.slot_cidr)
+        if net.prefixlen > 28:
+            raise ValueError(f"slot CIDR {self.slot_cidr} is too small; use a /28 or larger")
+
+    @property
+    def cache(self) -> Path:
+        return self.cache_dir or self.data_dir / "cache"
+
+    @property
+    def mem_dir(self) -> Path:
+        """Per-data-dir folder on tmpfs, so two servers (e.g. bench) never share memory files."""
+        return self.mem_root / self.instance_tag
+
+    @property
+    def instance_tag(self) -> str:
+        """Short tag naming this node's host objects (namespaces, nft table, memory dir)."""
+        return hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:10]
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "state.sqlite"

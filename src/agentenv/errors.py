@@ -1,0 +1,115 @@
+"""One error tree for the host side.
+
+    AgentenvError
+    ├── RequestError              the caller asked for something wrong (4xx)
+    │   ├── InvalidRequest        400: a field is malformed or out of range
+    │   ├── NotFound              404: sandbox or template unknown
+    │   │   ├── SandboxNotFound
+    │   │   └── TemplateNotFound
+    │   ├── SandboxStateError     409: the sandbox is not in a state that allows this
+    │   └── CapacityExhausted     429/503: the node is full
+    └── PlatformError             the platform failed (5xx, never silent)
+        ├── ProvisioningError     kernel / images / packages missing or failed to build
+        ├── ExternalCommandError  a host command (qemu-img, ip, nft) failed
+        ├── VmmError              QEMU failed to start, crashed, or QMP failed
+        ├── NetworkError          namespace / tap / nft setup failed
+        ├── GuestError            the guest agent did not answer or answered wrongly
+        └── StorageError          disk full, missing or corrupt files
+
+Each error carries a message that says what to fix. The HTTP status for each class is
+mapped once, in ``agentenv.api.errors``.
+"""
+
+from __future__ import annotations
+
+
+class AgentenvError(Exception):
+    """Root of every error AgentENV raises on purpose."""
+
+    code: str = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class RequestError(AgentenvError):
+    """The request cannot be carried out as asked; retrying it unchanged will fail again."""
+
+
+class InvalidRequest(RequestError):
+    code = "invalid_request"
+
+
+class NotFound(RequestError):
+    code = "not_found"
+
+
+class SandboxNotFound(NotFound):
+    def __init__(self, sandbox_id: str) -> None:
+        super().__init__(f"sandbox '{sandbox_id}' not found")
+        self.sandbox_id = sandbox_id
+
+
+class TemplateNotFound(NotFound):
+    def __init__(self, template_id: str) -> None:
+        super().__init__(
+            f"template '{template_id}' not found; `aenv template ls` lists the available templates"
+        )
+        self.template_id = template_id
+
+
+class SandboxStateError(RequestError):
+    code = "conflict"
+
+    def __init__(self, sandbox_id: str, state: str, required: str) -> None:
+        super().__init__(f"sandbox '{sandbox_id}' is {state}; this operation needs it {required}")
+        self.state = state
+        self.required = required
+
+
+class CapacityExhausted(RequestError):
+    code = "capacity"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class PlatformError(AgentenvError):
+    """The platform failed; the sandbox involved (if any) is marked error, never forgotten."""
+
+
+class ProvisioningError(PlatformError):
+    code = "provisioning"
+
+
+class ExternalCommandError(PlatformError):
+    code = "external_command"
+
+    def __init__(self, argv: list[str], returncode: int, output: str) -> None:
+        tail = output.strip()[-2000:]
+        super().__init__(f"`{' '.join(argv[:4])}{' …' if len(argv) > 4 else ''}` exited {returncode}: {tail}")
+        self.argv = argv
+        self.returncode = returncode
+        self.output = output
+
+
+class VmmError(PlatformError):
+    code = "vmm"
+
+
+class NetworkError(PlatformError):
+    code = "network"
+
+
+class GuestError(PlatformError):
+    code = "guest"
+
+
+class StorageError(PlatformError):
+    code = "storage"
+
+
+class DiskFull(StorageError):
+    code = "disk_full"

@@ -1,0 +1,44 @@
+"""The set of files a VM boots from, as the rest of the system sees them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GuestArtifacts:
+    """Kernel + initramfs + read-only ext4 base of one template."""
+
+    kernel: Path
+    initramfs: Path
+    rootfs: Path
+
+    def to_json(self) -> dict[str, str]:
+        return {"kernel": str(self.kernel), "initramfs": str(self.initramfs), "rootfs": str(self.rootfs)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, str]) -> GuestArtifacts:
+        return cls(Path(d["kernel"]), Path(d["initramfs"]), Path(d["rootfs"]))
+
+
+def artifacts_present(cache: Path) -> GuestArtifacts | None:
+    """The provisioned default artifacts, or None when `aenv setup` has not run."""
+    manifest = cache / "default.json"
+    if not manifest.exists():
+        return None
+    a = GuestArtifacts.from_json(json.loads(manifest.read_text()))
+    if all(p.exists() for p in (a.kernel, a.initramfs, a.rootfs)):
+        return a
+    return None
+
+
+def inputs_hash(*parts: bytes | str) -> str:
+    """Short content hash of a build's inputs, used in artifact file names."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode() if isinstance(p, str) else p)
+        h.update(b"\0")
+    return h.hexdigest()[:12]

@@ -1,0 +1,90 @@
+"""Template root filesystems: a Debian bookworm tree from mmdebstrap, packed as read-only ext4.
+
+Two cached stages, so that changing the guest agent does not re-download Debian:
+1. ``debian-<hash>.tar``: mmdebstrap output, keyed by suite + package list;
+2. ``base-<hash>.ext4``: that tree + the guest agent + init, keyed by all of their bytes.
+The ext4 file is chmod 444: it is the shared backing file of every sandbox overlay.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from agentenv.images.artifacts import inputs_hash
+from agentenv.proc import run_sync
+
+SUITE = "bookworm"
+BASE_PACKAGES = (
+    "bash", "coreutils", "python3", "curl", "git", "sudo", "ncurses-bin", "ca-certificates",
+    "iproute2", "procps", "less", "xz-utils", "attr",
+)
+DISK_SIZE_MB = 4096
+
+
+def _guest_files() -> dict[str, bytes]:
+    g = resources.files("agentenv.guest")
+    return {
+        "opt/agentenv/agent.py": g.joinpath("agent.py").read_bytes(),
+        "opt/agentenv/init": g.joinpath("init.sh").read_bytes(),
+    }
+
+
+def _debian_tarball(cache: Path, packages: tuple[str, ...]) -> Path:
+    out = cache / "rootfs" / f"debian-{SUITE}-{inputs_hash(SUITE, *sorted(packages))}.tar"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial.tar")
+    hooks = [
+        # A normal user with passwordless sudo, as E2B's base template has.
+        '--customize-hook=chroot "$1" useradd -m -s /bin/bash -u 1000 user',
+        '--customize-hook=echo "user ALL=(ALL:ALL) NOPASSWD: ALL" > "$1/etc/sudoers.d/user"',
+        '--customize-hook=chmod 440 "$1/etc/sudoers.d/user"',
+        '--customize-hook=echo sandbox > "$1/etc/hostname"',
+        '--customize-hook=printf "127.0.0.1 localhost\\n127.0.1.1 sandbox\\n" > "$1/etc/hosts"',
+    ]
+    run_sync(
+        ["mmdebstrap", "--variant=minbase", "--quiet", f"--include={','.join(packages)}",
+         "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
+         "--dpkgopt=path-exclude=/usr/share/locale/*", *hooks, SUITE, str(tmp)]
+    )
+    tmp.rename(out)
+    return out
+
+
+def ensure_base_rootfs(cache: Path, packages: tuple[str, ...] = BASE_PACKAGES, size_mb: int = DISK_SIZE_MB) -> Path:
+    """The read-only ext4 base image of the default template, built when its inputs change."""
+    tarball = _debian_tarball(cache, packages)
+    files = _guest_files()
+    key = inputs_hash(tarball.name, str(size_mb), *(k.encode() + v for k, v in sorted(files.items())))
+    out = cache / "rootfs" / f"base-{key}.ext4"
+    if out.exists():
+        return out
+    with tempfile.TemporaryDirectory(dir=cache / "rootfs") as tmp:
+        tree = Path(tmp) / "tree"
+        tree.mkdir()
+        run_sync(["tar", "-xf", str(tarball), "-C", str(tree)])
+        for rel, data in files.items():
+            p = tree / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+            os.chmod(p, 0o755)
+        img = Path(tmp) / "base.ext4"
+        run_sync(["mkfs.ext4", "-q", "-F", "-L", "aenv-root", "-O", "has_journal",
+                  "-E", "lazy_itable_init=1,lazy_journal_init=1", "-d", str(tree), str(img), f"{size_mb}M"])
+        os.chmod(img, 0o444)
+        img.rename(out)
+    return out
+
+
+def remove_stale(cache: Path, keep: set[Path]) -> None:
+    """Delete older base images so the cache does not grow with every agent change."""
+    for p in (cache / "rootfs").glob("base-*.ext4"):
+        if p not in keep:
+            p.chmod(0o644)
+            p.unlink(missing_ok=True)
+    shutil.rmtree(cache / "rootfs" / "tmp", ignore_errors=True)

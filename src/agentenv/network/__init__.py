@@ -1,0 +1,10 @@
+"""Per-sandbox networking: a network namespace per sandbox with a TAP for the guest.
+
+Every guest has the same address (169.254.0.21/30) so snapshots and forks stay valid; the host
+reaches guest N through the namespace side of its veth pair, which DNATs to the guest. See
+docs/mechanisms/networking.md.
+"""
+
+from agentenv.network.slots import Slot, SlotPool, host_firewall_down, host_firewall_up
+
+__all__ = ["Slot", "SlotPool", "host_firewall_up", "host_firewall_down"]

@@ -1,0 +1,175 @@
+"""Network slots: a namespace + veth pair + tap, created ahead of time and reused.
+
+Slot ``i`` owns the /30 number ``i`` of the slot CIDR: ``.1`` on the host side of the veth,
+``.2`` on the namespace side (the address the host uses to reach the guest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from dataclasses import dataclass
+
+from agentenv.errors import ExternalCommandError, NetworkError
+from agentenv.network.rules import GUEST_ADDR, GUEST_GW, GUEST_MAC, TAP_MAC, host_ruleset, namespace_ruleset
+from agentenv.proc import run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Slot:
+    index: int
+    netns: str
+    veth: str  # host-side interface
+    host_addr: str
+    ns_addr: str  # the host reaches the guest at this address
+
+    @property
+    def guest_url(self) -> str:
+        return f"http://{self.ns_addr}:49983"
+
+
+class SlotPool:
+    """Allocates slot indices and keeps ``target`` slots ready to hand out."""
+
+    def __init__(self, tag: str, cidr: str, target: int) -> None:
+        self.tag = tag
+        self.net = ipaddress.ip_network(cidr)
+        self.capacity = self.net.num_addresses // 4 - 1  # /30 number 0 is never used
+        self.target = target
+        self._used: set[int] = set()
+        self._ready: list[Slot] = []
+        self._lock = asyncio.Lock()
+
+    @property
+    def ifprefix(self) -> str:
+        return f"ae{self.tag[:4]}"
+
+    def slot(self, index: int) -> Slot:
+        base = int(self.net.network_address) + 4 * index
+        return Slot(
+            index=index,
+            netns=f"aenv-{self.tag[:4]}-{index}",
+            veth=f"{self.ifprefix}{index}",
+            host_addr=str(ipaddress.ip_address(base + 1)),
+            ns_addr=str(ipaddress.ip_address(base + 2)),
+        )
+
+    def mark_used(self, index: int) -> None:
+        """Record a slot held by an adopted sandbox (server restart)."""
+        self._used.add(index)
+
+    async def acquire(self) -> Slot:
+        async with self._lock:
+            if self._ready:
+                return self._ready.pop()
+            index = self._next_index()
+        try:
+            return await create_slot(self.slot(index))
+        except BaseException:
+            self._used.discard(index)
+            raise
+
+    async def release(self, slot: Slot) -> None:
+        """Destroy the slot (its namespace may hold conntrack state of the old sandbox)."""
+        try:
+            await destroy_slot(slot)
+        finally:
+            self._used.discard(slot.index)
+
+    async def fill(self) -> None:
+        """Top the ready list up to ``target`` (run by the pool keeper in the background)."""
+        while len(self._ready) < self.target:
+            async with self._lock:
+                index = self._next_index()
+            try:
+                s = await create_slot(self.slot(index))
+            except BaseException:
+                self._used.discard(index)
+                raise
+            self._ready.append(s)
+
+    async def drain(self) -> None:
+        while self._ready:
+            await self.release(self._ready.pop())
+
+    def _next_index(self) -> int:
+        for i in range(1, self.capacity + 1):
+            if i not in self._used:
+                self._used.add(i)
+                return i
+        raise NetworkError(f"all {self.capacity} network slots of {self.net} are in use")
+
+    async def remove_orphans(self, keep: set[int]) -> list[str]:
+        """Delete namespaces of ours that no sandbox owns (left by a crashed server)."""
+        out = await run(["ip", "netns", "list"], check=False)
+        prefix = f"aenv-{self.tag[:4]}-"
+        removed = []
+        for line in out.splitlines():
+            name = line.split()[0] if line.strip() else ""
+            if name.startswith(prefix):
+                idx = int(name.removeprefix(prefix))
+                if idx not in keep:
+                    await destroy_slot(self.slot(idx))
+                    removed.append(name)
+        return removed
+
+
+async def create_slot(slot: Slot) -> Slot:
+    """Build namespace, veth pair, tap and rules. On failure nothing is left behind."""
+    host_cmds = "\n".join([
+        f"netns add {slot.netns}",
+        f"link add {slot.veth} type veth peer name vpeer netns {slot.netns}",
+        f"addr add {slot.host_addr}/30 dev {slot.veth}",
+        f"link set {slot.veth} up",
+    ]) + "\n"
+    ns_script = (
+        "set -e\n"
+        "echo 1 > /proc/sys/net/ipv4/ip_forward\n"
+        "ip -batch - <<'EOF'\n"
+        "link set lo up\n"
+        "link set vpeer up\n"
+        f"addr add {slot.ns_addr}/30 dev vpeer\n"
+        f"route add default via {slot.host_addr}\n"
+        "tuntap add dev tap0 mode tap\n"
+        f"link set tap0 address {TAP_MAC}\n"
+        f"addr add {GUEST_GW}/30 dev tap0\n"
+        "link set tap0 up\n"
+        f"neigh replace {GUEST_ADDR} lladdr {GUEST_MAC} dev tap0 nud permanent\n"
+        "EOF\n"
+        "nft -f - <<'EOF'\n"
+        f"{namespace_ruleset(slot.ns_addr)}\n"
+        "EOF\n"
+    )
+    try:
+        await run(["ip", "-batch", "-"], input=host_cmds.encode())
+        await run(["ip", "netns", "exec", slot.netns, "sh", "-c", ns_script])
+    except ExternalCommandError as exc:
+        await destroy_slot(slot)
+        raise NetworkError(f"cannot create network slot {slot.netns}: {exc.message}") from exc
+    return slot
+
+
+async def destroy_slot(slot: Slot) -> None:
+    """Remove the namespace (which removes vpeer, tap0 and the rules) and the host veth."""
+    await run(["ip", "link", "del", slot.veth], check=False)
+    await run(["ip", "netns", "del", slot.netns], check=False)
+
+
+async def host_firewall_up(tag: str, ifprefix: str, cidr: str) -> None:
+    """Install the host table (idempotent) and enable forwarding for outbound traffic."""
+    table = f"aenv_{tag[:4]}"
+    await run(["nft", "delete", "table", "inet", table], check=False)
+    try:
+        await run(["nft", "-f", "-"], input=host_ruleset(table, ifprefix, cidr).encode())
+        await run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+    except ExternalCommandError as exc:
+        raise NetworkError(
+            f"cannot install host firewall (AgentENV needs root / CAP_NET_ADMIN): {exc.message}"
+        ) from exc
+
+
+async def host_firewall_down(tag: str) -> None:
+    await run(["nft", "delete", "table", "inet", f"aenv_{tag[:4]}"], check=False)

@@ -1,0 +1,11 @@
+"""The orchestrator: sandbox lifecycle state machine, store, templates and warm pool.
+
+See docs/architecture.md for the flows it sequences.
+"""
+
+from agentenv.orchestrator.lifecycle import State
+from agentenv.orchestrator.service import Orchestrator
+from agentenv.orchestrator.store import SandboxRecord
+from agentenv.orchestrator.templates import Template, TemplateCatalog
+
+__all__ = ["Orchestrator", "SandboxRecord", "State", "Template", "TemplateCatalog"]

@@ -1,0 +1,30 @@
+"""A live sandbox: its record plus the host objects that run it.
+
+The aggregate stays thin: it holds references and a lock, it does not contain mechanism code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from agentenv.envd_client import EnvdClient
+from agentenv.network import Slot
+from agentenv.orchestrator.store import SandboxRecord
+from agentenv.vmm import Machine
+
+
+@dataclass
+class LiveSandbox:
+    record: SandboxRecord
+    machine: Machine | None = None
+    slot: Slot | None = None
+    envd: EnvdClient | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.record.id} {self.record.state.value.upper()}>"
+
+    @property
+    def id(self) -> str:
+        return self.record.id

@@ -1,0 +1,291 @@
+"""The orchestrator: every sandbox operation the API may ask for, in one place.
+
+API handlers are one call each into this class. It sequences the mechanisms (vmm, storage,
+network, envd_client) and owns the lifecycle state machine; it never contains their details.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from agentenv.config import Settings
+from agentenv.envd_client import CommandResult, EnvdClient, EnvdError, ProcessEvent
+from agentenv.errors import (
+    CapacityExhausted, GuestError, InvalidRequest, PlatformError, SandboxNotFound, SandboxStateError,
+)
+from agentenv.network import SlotPool, host_firewall_down, host_firewall_up
+from agentenv.orchestrator.ids import new_access_token
+from agentenv.orchestrator.lifecycle import State, allowed
+from agentenv.orchestrator.pool import WarmPool
+from agentenv.orchestrator.sandbox import LiveSandbox
+from agentenv.orchestrator.shells import Shell, make_shell
+from agentenv.orchestrator.store import SandboxRecord, Store
+from agentenv.orchestrator.templates import SnapshotBuilder, Template, TemplateCatalog
+from agentenv.storage import TemplateSnapshot, remove_tree
+from agentenv.vmm import AccelInfo, detect_accel
+
+log = logging.getLogger(__name__)
+
+
+class Orchestrator:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.accel: AccelInfo = detect_accel(settings.accel)
+        self.sandboxes_dir = settings.data_dir / "sandboxes"
+        self.store = Store(settings.db_path)
+        self.catalog = TemplateCatalog(settings.data_dir / "templates")
+        self.slots = SlotPool(settings.instance_tag, settings.slot_cidr, settings.slot_pool_size)
+        self.snapshots = SnapshotBuilder(
+            root=settings.data_dir / "templates", mem_dir=settings.mem_dir, slots=self.slots,
+            accel=self.accel, boot_timeout_s=settings.boot_timeout_s, tb_size_mb=settings.tcg_tb_size_mb,
+        )
+        self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots)
+        self._live: dict[str, LiveSandbox] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- start / stop ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Install host rules, re-adopt the sandboxes of a previous run, start background work."""
+        from agentenv.orchestrator.recovery import recover
+
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr)
+        await recover(self)
+        self.pool.start()
+        self._tasks.append(asyncio.create_task(self._reaper(), name="ttl-reaper"))
+        self._tasks.append(asyncio.create_task(self._slot_keeper(), name="slot-keeper"))
+
+    async def stop(self) -> None:
+        """Leave running sandboxes running (they are adopted on the next start)."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        await self.pool.stop()
+        await self.slots.drain()
+        for live in self._live.values():
+            if live.machine:
+                await live.machine.detach()
+            if live.envd:
+                await live.envd.aclose()
+        self.store.close()
+
+    async def shutdown_host(self) -> None:
+        """Remove host-wide objects (tests and `aenv` uninstall); sandboxes must be gone."""
+        await host_firewall_down(self.settings.instance_tag)
+
+    # -- queries --------------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        live = self._live.get(sandbox_id)
+        if live is None:
+            raise SandboxNotFound(sandbox_id)
+        return live.record
+
+    def list(self, states: set[State] | None = None, metadata: dict[str, str] | None = None) -> list[SandboxRecord]:
+        out = []
+        for live in self._live.values():
+            r = live.record
+            if states and r.state not in states:
+                continue
+            if metadata and any(r.metadata.get(k) != v for k, v in metadata.items()):
+                continue
+            out.append(r)
+        return sorted(out, key=lambda r: r.started_at, reverse=True)
+
+    def templates(self) -> list[Template]:
+        return self.catalog.list()
+
+    # -- create ---------------------------------------------------------------------------
+
+    def validate_shape(self, t: Template, vcpus: int | None, memory_mb: int | None) -> tuple[int, int]:
+        v = t.vcpus if vcpus is None else vcpus
+        m = t.memory_mb if memory_mb is None else memory_mb
+        if not 1 <= v <= self.settings.max_vcpus:
+            raise InvalidRequest(f"cpuCount must be between 1 and {self.settings.max_vcpus}, got {v}")
+        if not 128 <= m <= self.settings.max_memory_mb or m % 2:
+            raise InvalidRequest(
+                f"memoryMB must be an even number between 128 and {self.settings.max_memory_mb}, got {m}")
+        return v, m
+
+    def validate_timeout(self, timeout_s: int) -> int:
+        if timeout_s < 0 or timeout_s > self.settings.max_timeout_s:
+            raise InvalidRequest(f"timeout must be between 0 and {self.settings.max_timeout_s} seconds, got {timeout_s}")
+        return timeout_s
+
+    async def create(self, template: str, *, vcpus: int | None = None, memory_mb: int | None = None,
+                     timeout_s: int | None = None, metadata: dict[str, str] | None = None,
+                     env_vars: dict[str, str] | None = None) -> SandboxRecord:
+        """Restore a new sandbox from the template's snapshot; returns once its agent answers."""
+        t = self.catalog.get(template)
+        v, m = self.validate_shape(t, vcpus, memory_mb)
+        timeout = self.validate_timeout(self.settings.default_timeout_s if timeout_s is None else timeout_s)
+        active = sum(1 for s in self._live.values() if s.record.state in (State.CREATING, State.RUNNING))
+        if active >= self.settings.max_sandboxes:
+            raise CapacityExhausted(
+                f"this node runs its maximum of {self.settings.max_sandboxes} sandboxes; kill one or retry later")
+        snap = await self.snapshots.get(t, v, m)
+        shell = self.pool.take(snap) or await self._make_shell(snap)
+        now = time.time()
+        rec = SandboxRecord(
+            id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
+            disk_mb=t.disk_mb, started_at=now, end_at=now + timeout, access_token=new_access_token(),
+            run_dir=str(shell.run_dir), metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
+            slot_index=shell.slot.index,
+        )
+        live = LiveSandbox(rec, shell.machine, shell.slot)
+        self._live[rec.id] = live
+        try:
+            await self.store.put(rec)
+            await self._restore(live, shell)
+        except BaseException as exc:
+            reason = exc.message if isinstance(exc, PlatformError) else f"create failed: {exc!r}"
+            await self._fail(live, reason)
+            self._live.pop(rec.id, None)
+            await self.store.delete(rec.id)
+            await remove_tree(shell.run_dir)
+            raise
+        return live.record
+
+    async def _restore(self, live: LiveSandbox, shell: Shell) -> None:
+        machine = shell.machine
+        await machine.load_state(shell.snapshot.state, timeout=self.settings.restore_timeout_s)
+        if "hang_after_restore" in self.settings.faults:
+            await machine.qmp("stop")  # injected fault: a guest that never answers
+        envd = EnvdClient(shell.slot.guest_url, access_token=None)
+        live.envd = envd
+        try:
+            await envd.wait_healthy(self.settings.restore_timeout_s)
+            await envd.init(sandbox_id=live.id, template_id=live.record.template,
+                            env_vars=live.record.env_vars, access_token=live.record.access_token)
+        except EnvdError as exc:
+            raise GuestError(
+                f"sandbox {live.id}: the guest agent did not answer within "
+                f"{self.settings.restore_timeout_s:.0f}s after restore ({exc.message})") from exc
+        await envd.aclose()
+        live.envd = EnvdClient(shell.slot.guest_url, access_token=live.record.access_token)
+        self._watch(live)
+        await self._transition(live, State.RUNNING)
+
+    async def _make_shell(self, snap: TemplateSnapshot) -> Shell:
+        return await make_shell(snap, sandboxes_dir=self.sandboxes_dir, slots=self.slots,
+                                accel=self.accel, tb_size_mb=self.settings.tcg_tb_size_mb)
+
+    # -- kill, timeout, failure -------------------------------------------------------------
+
+    async def kill(self, sandbox_id: str) -> None:
+        live = self._live.get(sandbox_id)
+        if live is None:
+            raise SandboxNotFound(sandbox_id)
+        async with live.lock:
+            if live.record.state == State.KILLING:
+                return
+            await self._transition(live, State.KILLING)
+            await self._release(live)
+            self._live.pop(sandbox_id, None)
+            await self.store.delete(sandbox_id)
+            await remove_tree(Path(live.record.run_dir))
+
+    async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
+        live = self._require(sandbox_id, {State.RUNNING})
+        self.validate_timeout(timeout_s)
+        live.record = live.record.with_(end_at=time.time() + timeout_s)
+        await self.store.put(live.record)
+        return live.record
+
+    async def _release(self, live: LiveSandbox) -> None:
+        """Free the host resources of a sandbox (process, slot, client); keeps the record."""
+        if live.envd:
+            await live.envd.aclose()
+            live.envd = None
+        if live.machine:
+            await live.machine.kill()
+            live.machine = None
+        if live.slot:
+            await self.slots.release(live.slot)
+            live.slot = None
+
+    async def _fail(self, live: LiveSandbox, reason: str) -> None:
+        log.error("sandbox %s failed: %s", live.id, reason)
+        await self._release(live)
+        if live.record.state != State.ERROR and allowed(live.record.state, State.ERROR):
+            live.record = live.record.with_(state=State.ERROR, error=reason, slot_index=None)
+            await self.store.put(live.record)
+
+    def _watch(self, live: LiveSandbox) -> None:
+        machine = live.machine
+        if machine is None:
+            return
+
+        def exited() -> None:
+            if live.machine is machine and live.record.state == State.RUNNING:
+                asyncio.get_running_loop().create_task(self._on_machine_exit(live))
+
+        machine.on_exit(exited)
+
+    async def _on_machine_exit(self, live: LiveSandbox) -> None:
+        async with live.lock:
+            if live.record.state != State.RUNNING:
+                return
+            console = Path(live.record.run_dir) / "console.log"
+            tail = console.read_text(errors="replace")[-300:].strip() if console.exists() else ""
+            await self._fail(live, "QEMU exited unexpectedly (killed or crashed)" + (f"; console: {tail}" if tail else ""))
+
+    async def _transition(self, live: LiveSandbox, dst: State) -> None:
+        src = live.record.state
+        if not allowed(src, dst):
+            raise SandboxStateError(live.id, src.value, f"in a state that can become {dst.value}")
+        live.record = live.record.with_(state=dst)
+        await self.store.put(live.record)
+        log.info("sandbox %s: %s -> %s", live.id, src.value, dst.value)
+
+    def _require(self, sandbox_id: str, states: set[State]) -> LiveSandbox:
+        live = self._live.get(sandbox_id)
+        if live is None:
+            raise SandboxNotFound(sandbox_id)
+        if live.record.state not in states:
+            raise SandboxStateError(sandbox_id, live.record.state.value, "/".join(s.value for s in states))
+        return live
+
+    async def _reaper(self) -> None:
+        """Kill sandboxes whose timeout has passed."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.time()
+            for live in list(self._live.values()):
+                if live.record.state == State.RUNNING and live.record.end_at <= now:
+                    log.info("sandbox %s reached its timeout", live.id)
+                    try:
+                        await self.kill(live.id)
+                    except Exception:  # noqa: BLE001 — background
+                        log.exception("reaper could not kill %s", live.id)
+
+    async def _slot_keeper(self) -> None:
+        while True:
+            try:
+                await self.slots.fill()
+            except Exception:  # noqa: BLE001 — background
+                log.exception("slot pool refill failed")
+            await asyncio.sleep(1.0)
+
+    # -- data plane -----------------------------------------------------------------------
+
+    def envd(self, sandbox_id: str) -> EnvdClient:
+        live = self._require(sandbox_id, {State.RUNNING})
+        assert live.envd is not None
+        return live.envd
+
+    async def exec(self, sandbox_id: str, cmd: str | list[str], *, envs: dict[str, str] | None = None,
+                   cwd: str | None = None, user: str | None = None, timeout: float | None = None) -> CommandResult:
+        return await self.envd(sandbox_id).run(cmd, envs=envs, cwd=cwd, user=user, timeout=timeout)
+
+    def exec_stream(self, sandbox_id: str, cmd: str | list[str], **kw: object) -> AsyncIterator[ProcessEvent]:
+        return self.envd(sandbox_id).stream(cmd, **kw)  # type: ignore[arg-type]

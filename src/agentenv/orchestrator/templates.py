@@ -1,0 +1,176 @@
+"""Templates: their definitions, and the template snapshot each (template, shape) needs.
+
+A template's first use in a given shape (vCPUs, memory) cold-boots it once until the guest
+agent answers, then saves the device state with its RAM in a shared memory file. Every later
+sandbox of that shape is a restore, never a boot. See docs/mechanisms/snapshots.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.envd_client import EnvdClient, EnvdUnavailable
+from agentenv.errors import GuestError, InvalidRequest, TemplateNotFound
+from agentenv.images import GuestArtifacts
+from agentenv.network import SlotPool
+from agentenv.network.rules import GUEST_ADDR, GUEST_GW, GUEST_MAC
+from agentenv.orchestrator.cleanup import Cleanup
+from agentenv.storage import TemplateSnapshot, create_overlay, remove_tree, seal_readonly
+from agentenv.vmm import AccelInfo, Machine, MachineSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    artifacts: GuestArtifacts
+    memory_mb: int = 512
+    vcpus: int = 1
+    disk_mb: int = 4096
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "artifacts": self.artifacts.to_json(), "memory_mb": self.memory_mb,
+                "vcpus": self.vcpus, "disk_mb": self.disk_mb}
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> Template:
+        return cls(name=str(d["name"]), artifacts=GuestArtifacts.from_json(d["artifacts"]),  # type: ignore[arg-type]
+                   memory_mb=int(d["memory_mb"]), vcpus=int(d["vcpus"]), disk_mb=int(d["disk_mb"]))  # type: ignore[call-overload]
+
+
+class TemplateCatalog:
+    """Template definitions, one JSON file each under ``<data>/templates/<name>/``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def put(self, t: Template) -> None:
+        d = self.root / t.name
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / "template.json.tmp"
+        tmp.write_text(json.dumps(t.to_json(), indent=1))
+        os.replace(tmp, d / "template.json")
+
+    def get(self, name: str) -> Template:
+        try:
+            return Template.from_json(json.loads((self.root / name / "template.json").read_text()))
+        except (OSError, ValueError) as exc:
+            raise TemplateNotFound(name) from exc
+
+    def list(self) -> list[Template]:
+        out = []
+        for p in sorted(self.root.glob("*/template.json")):
+            try:
+                out.append(Template.from_json(json.loads(p.read_text())))
+            except (OSError, ValueError):
+                continue
+        return out
+
+
+def guest_link_spec() -> dict[str, str]:
+    """The guest side of the network link, identical in every sandbox."""
+    return {"guest_mac": GUEST_MAC, "guest_ip": f"{GUEST_ADDR}/30", "guest_gw": GUEST_GW}
+
+
+class SnapshotBuilder:
+    """Makes (once) and finds the template snapshot of a (template, shape)."""
+
+    def __init__(self, *, root: Path, mem_dir: Path, slots: SlotPool, accel: AccelInfo,
+                 boot_timeout_s: float, tb_size_mb: int) -> None:
+        self.root = root
+        self.mem_dir = mem_dir
+        self.slots = slots
+        self.accel = accel
+        self.boot_timeout_s = boot_timeout_s
+        self.tb_size_mb = tb_size_mb
+        self._locks: dict[tuple[str, int, int], asyncio.Lock] = {}
+        self._cache: dict[tuple[str, int, int], TemplateSnapshot] = {}
+
+    def snapshot_dir(self, t: Template, vcpus: int, memory_mb: int) -> Path:
+        return self.root / t.name / "snapshots" / f"{vcpus}cpu-{memory_mb}M-{t.artifacts.rootfs.stem}"
+
+    async def get(self, t: Template, vcpus: int, memory_mb: int) -> TemplateSnapshot:
+        """The snapshot for this shape, building it on first use (concurrent callers wait)."""
+        key = (t.name, vcpus, memory_mb)
+        snap = self._cache.get(key)
+        if snap and snap.mem_file.exists():
+            return snap
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            d = self.snapshot_dir(t, vcpus, memory_mb)
+            snap = TemplateSnapshot.load(d)
+            if snap is None:
+                snap = await self._build(t, vcpus, memory_mb, d)
+            self._cache[key] = snap
+            return snap
+
+    async def _build(self, t: Template, vcpus: int, memory_mb: int, d: Path) -> TemplateSnapshot:
+        if not t.artifacts.rootfs.exists():
+            raise InvalidRequest(f"template '{t.name}' has no root filesystem at {t.artifacts.rootfs}; run `aenv setup`")
+        await remove_tree(d)
+        d.mkdir(parents=True)
+        self.mem_dir.mkdir(parents=True, exist_ok=True)
+        mem_file = self.mem_dir / f"{t.name}-{d.name}.mem"
+        mem_file.unlink(missing_ok=True)
+        undo = Cleanup(f"template snapshot {d}")
+        undo.add("dir", lambda: remove_tree(d))
+        undo.add("mem", lambda: asyncio.to_thread(mem_file.unlink, True))
+        machine: Machine | None = None
+        try:
+            await create_overlay(d / "disk.qcow2", t.artifacts.rootfs, "raw")
+            slot = await self.slots.acquire()
+            undo.add("slot", lambda: self.slots.release(slot))
+            spec = MachineSpec(
+                name=f"tmpl-{t.name}", run_dir=d / "run", kernel=t.artifacts.kernel,
+                initramfs=t.artifacts.initramfs, disk=d / "disk.qcow2", mem_path=mem_file,
+                memory_mb=memory_mb, vcpus=vcpus, accel=self.accel, mem_share=True,
+                netns=slot.netns, tb_size_mb=self.tb_size_mb, **guest_link_spec(),
+            )
+            t0 = time.monotonic()
+            machine = await Machine.launch(spec)
+            undo.add("machine", machine.kill)
+            async with EnvdClient(slot.guest_url) as envd:
+                try:
+                    await envd.wait_healthy(self.boot_timeout_s)
+                except EnvdUnavailable as exc:
+                    console = _tail(spec.console_log)
+                    raise GuestError(
+                        f"template '{t.name}' did not boot: its guest agent did not answer within "
+                        f"{self.boot_timeout_s:.0f}s. Console: {console}") from exc
+            boot_ms = (time.monotonic() - t0) * 1000
+            t1 = time.monotonic()
+            await machine.save_template_state(d / "state")
+            snapshot_ms = (time.monotonic() - t1) * 1000
+            await machine.kill()
+            await self.slots.release(slot)
+            await remove_tree(d / "run")
+            seal_readonly(d / "disk.qcow2")
+            snap = TemplateSnapshot(
+                template=t.name, dir=d, mem_file=mem_file, memory_mb=memory_mb, vcpus=vcpus,
+                kernel=str(t.artifacts.kernel), initramfs=str(t.artifacts.initramfs),
+                rootfs=str(t.artifacts.rootfs), created_at=time.time(), boot_ms=boot_ms,
+                snapshot_ms=snapshot_ms,
+            )
+            snap.save()
+            undo.release()
+            log.info("template %s snapshotted (%d vCPU, %d MiB): boot %.0f ms, snapshot %.1f ms",
+                     t.name, vcpus, memory_mb, boot_ms, snapshot_ms)
+            return snap
+        except BaseException:
+            await undo.unwind()
+            raise
+
+
+def _tail(path: Path, n: int = 800) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:].strip() or "(empty)"
+    except OSError:
+        return "(no console log)"

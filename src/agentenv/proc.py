@@ -1,0 +1,39 @@
+"""Running host commands from async code.
+
+Every external command (qemu-img, ip, nft, mkfs) goes through ``run`` so that a failure becomes
+one ``ExternalCommandError`` carrying the argv and the output, and nothing blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+from agentenv.errors import ExternalCommandError
+
+
+async def run(argv: list[str], *, input: bytes | None = None, check: bool = True) -> str:
+    """Run ``argv`` to completion and return its combined output.
+
+    Raises ExternalCommandError when it exits non-zero and ``check`` is set.
+    """
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    out, _ = await proc.communicate(input)
+    text = out.decode(errors="replace")
+    if check and proc.returncode != 0:
+        raise ExternalCommandError(argv, proc.returncode or -1, text)
+    return text
+
+
+def run_sync(argv: list[str], *, check: bool = True, cwd: str | None = None) -> str:
+    """Blocking twin of ``run`` for provisioning (CLI only, never on the server's loop)."""
+    res = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd)
+    text = res.stdout.decode(errors="replace")
+    if check and res.returncode != 0:
+        raise ExternalCommandError(argv, res.returncode, text)
+    return text

@@ -1,0 +1,67 @@
+"""Composition root: settings → orchestrator → API → uvicorn.
+
+The only module (with cli/) that reads configuration; everything below receives values.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import uvicorn
+
+from agentenv.config import Settings
+from agentenv.errors import ProvisioningError
+from agentenv.images import artifacts_present
+from agentenv.orchestrator import Orchestrator, Template, TemplateCatalog
+from agentenv.orchestrator.ids import new_api_key
+
+DEFAULT_TEMPLATE = "base"
+
+
+def api_key_for(settings: Settings) -> str:
+    """The node's API key: configured, or generated once and kept 0600 in the data dir."""
+    if settings.api_key:
+        return settings.api_key
+    path = settings.data_dir / "api_key"
+    if path.exists():
+        return path.read_text().strip()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    key = new_api_key()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
+def register_default_template(settings: Settings) -> None:
+    """Point the `base` template at the provisioned images (kept up to date with `aenv setup`)."""
+    artifacts = artifacts_present(settings.cache)
+    if artifacts is None:
+        raise ProvisioningError(f"no guest images under {settings.cache}; run `aenv setup` first")
+    catalog = TemplateCatalog(settings.data_dir / "templates")
+    try:
+        current = catalog.get(DEFAULT_TEMPLATE)
+        if current.artifacts == artifacts:
+            return
+    except Exception:  # noqa: BLE001 — absent or unreadable: (re)write it
+        pass
+    catalog.put(Template(name=DEFAULT_TEMPLATE, artifacts=artifacts))
+
+
+def build_app(settings: Settings):  # type: ignore[no-untyped-def]
+    from agentenv.api import create_app
+
+    register_default_template(settings)
+    return create_app(Orchestrator(settings), api_key_for(settings))
+
+
+def serve(settings: Settings) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    app = build_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
+                timeout_keep_alive=650, timeout_graceful_shutdown=10)
+
+

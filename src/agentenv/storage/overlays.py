@@ -1,0 +1,35 @@
+"""qcow2 overlays: every sandbox writes into its own thin overlay over a shared read-only base."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+from agentenv.errors import DiskFull, ExternalCommandError, StorageError
+from agentenv.proc import run
+
+
+async def create_overlay(path: Path, backing: Path, backing_format: str) -> Path:
+    """Create ``path`` as a qcow2 overlay of ``backing``. A full disk raises DiskFull and
+    leaves no file behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        await run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", backing_format, str(path)])
+    except ExternalCommandError as exc:
+        path.unlink(missing_ok=True)
+        if "No space left" in exc.output:
+            raise DiskFull(f"no space left on {path.parent} to create a disk overlay; free disk space") from exc
+        raise StorageError(f"cannot create overlay {path}: {exc.output.strip()}") from exc
+    return path
+
+
+def seal_readonly(path: Path) -> None:
+    """A base that overlays depend on must never change again."""
+    os.chmod(path, 0o444)
+
+
+async def remove_tree(path: Path) -> None:
+    """Remove a sandbox's directory off the event loop (overlays can be large)."""
+    await asyncio.to_thread(shutil.rmtree, path, True)

@@ -1,0 +1,211 @@
+"""One QEMU process and its QMP connection.
+
+QEMU is started with ``-daemonize``: the launcher returns once QEMU has finished initialising
+(so the QMP socket is ready) and QEMU is no longer our child. It therefore outlives the server
+and can be adopted again after a restart from its pid file (``Machine.adopt``). Exit is watched
+through a pidfd, which works the same for launched and adopted processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient
+from qemu.qmp.error import QMPError
+
+from agentenv.errors import ExternalCommandError, VmmError
+from agentenv.proc import run
+from agentenv.vmm.spec import MachineSpec, build_argv
+
+log = logging.getLogger(__name__)
+
+
+class VmLaunchFailed(VmmError):
+    """QEMU did not start; carries its command line and output."""
+
+    def __init__(self, argv: list[str], output: str) -> None:
+        super().__init__(f"QEMU failed to start: {output.strip()[-1500:]}")
+        self.argv = argv
+        self.output = output
+
+
+class Machine:
+    """A running (or incoming) QEMU microvm."""
+
+    def __init__(self, spec: MachineSpec, pid: int, qmp: QMPClient) -> None:
+        self.spec = spec
+        self.pid = pid
+        self._qmp = qmp
+        self._exit = asyncio.get_running_loop().create_future()
+        self._pidfd: int | None = None
+        self._watch()
+
+    def __repr__(self) -> str:
+        return f"<Machine {self.spec.name} pid={self.pid} {'exited' if self.exited else 'alive'}>"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    async def launch(cls, spec: MachineSpec) -> Machine:
+        """Start QEMU and connect QMP. Raises VmLaunchFailed with QEMU's own message."""
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        pidfile = spec.run_dir / "qemu.pid"
+        pidfile.unlink(missing_ok=True)
+        spec.qmp_path.unlink(missing_ok=True)
+        argv = build_argv(spec) + ["-display", "none", "-daemonize", "-pidfile", str(pidfile)]
+        # -nographic conflicts with -daemonize; -display none is its equivalent here.
+        argv.remove("-nographic")
+        try:
+            await run(argv)
+        except ExternalCommandError as exc:
+            raise VmLaunchFailed(argv, exc.output) from exc
+        pid = int(pidfile.read_text().strip())
+        return await cls._connect(spec, pid)
+
+    @classmethod
+    async def adopt(cls, spec: MachineSpec) -> Machine:
+        """Re-attach to a QEMU left running by a previous server process."""
+        pidfile = spec.run_dir / "qemu.pid"
+        try:
+            pid = int(pidfile.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError) as exc:
+            raise VmmError(f"QEMU of {spec.name} is gone ({exc})") from exc
+        if str(spec.qmp_path).encode() not in cmdline:
+            raise VmmError(f"pid {pid} is no longer the QEMU of {spec.name}")
+        return await cls._connect(spec, pid)
+
+    @classmethod
+    async def _connect(cls, spec: MachineSpec, pid: int) -> Machine:
+        qmp = QMPClient(spec.name)
+        try:
+            await qmp.connect(str(spec.qmp_path))
+        except (QMPError, OSError) as exc:
+            _kill_pid(pid)
+            raise VmmError(f"cannot connect QMP of {spec.name}: {exc}") from exc
+        return cls(spec, pid, qmp)
+
+    def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            self._exit.set_result(None)
+            return
+        loop.add_reader(self._pidfd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if not self._exit.done():
+            self._exit.set_result(None)
+
+    @property
+    def exited(self) -> bool:
+        return self._exit.done()
+
+    async def wait_exit(self) -> None:
+        await asyncio.shield(self._exit)
+
+    def on_exit(self, callback: Callable[[], None]) -> None:
+        self._exit.add_done_callback(lambda _f: callback())
+
+    async def kill(self) -> None:
+        """SIGKILL and wait until the process is gone (bounded). Idempotent."""
+        try:
+            await asyncio.wait_for(self._qmp.disconnect(), 0.5)
+        except (QMPError, OSError, asyncio.TimeoutError):
+            pass
+        if not self.exited:
+            _kill_pid(self.pid)
+            try:
+                await asyncio.wait_for(self.wait_exit(), 5)
+            except asyncio.TimeoutError as exc:
+                raise VmmError(f"QEMU {self.pid} did not exit after SIGKILL") from exc
+
+    async def detach(self) -> None:
+        """Drop our QMP connection and watcher but leave QEMU running (server shutdown)."""
+        try:
+            await asyncio.wait_for(self._qmp.disconnect(), 0.5)
+        except (QMPError, OSError, asyncio.TimeoutError):
+            pass
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    # -- QMP -----------------------------------------------------------------------------
+
+    async def qmp(self, command: str, **arguments: Any) -> Any:
+        """Run one QMP command; QMP failures become VmmError naming the command."""
+        if self.exited:
+            raise VmmError(f"QEMU of {self.spec.name} has exited")
+        try:
+            return await self._qmp.execute(command, arguments or None)
+        except (QMPError, OSError) as exc:
+            raise VmmError(f"QMP {command} failed on {self.spec.name}: {exc}") from exc
+
+    async def status(self) -> str:
+        res = await self.qmp("query-status")
+        return str(res["status"])
+
+    async def save_template_state(self, state_path: Path) -> None:
+        """Stop and write the device state only; RAM stays in the shared memory file
+        (x-ignore-shared), so the cost does not depend on the RAM size (notes §4)."""
+        await self.qmp("stop")
+        await self.qmp("migrate-set-capabilities",
+                       capabilities=[{"capability": "x-ignore-shared", "state": True}])
+        tmp = state_path.with_suffix(".partial")
+        await self.qmp("migrate", uri=f"exec:cat > {tmp}")
+        await self._wait_migration()
+        os.replace(tmp, state_path)
+
+    async def _wait_migration(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            res = await self.qmp("query-migrate")
+            st = res.get("status")
+            if st == "completed":
+                return
+            if st in ("failed", "cancelled"):
+                raise VmmError(f"migration of {self.spec.name} {st}: {res.get('error-desc', '')}")
+            if time.monotonic() > deadline:
+                raise VmmError(f"migration of {self.spec.name} did not finish in {timeout}s")
+            await asyncio.sleep(0.002)
+
+    async def prepare_incoming(self) -> None:
+        """Done ahead of time for pooled machines: enable x-ignore-shared on the destination."""
+        await self.qmp("migrate-set-capabilities",
+                       capabilities=[{"capability": "x-ignore-shared", "state": True}])
+
+    async def load_state(self, state_path: Path, timeout: float = 20.0) -> None:
+        """Load a device state into an -incoming defer machine and let the guest run."""
+        await self.qmp("migrate-incoming", uri=f"exec:cat {state_path}")
+        deadline = time.monotonic() + timeout
+        while True:
+            st = await self.status()
+            if st not in ("inmigrate",):
+                break
+            if time.monotonic() > deadline:
+                raise VmmError(f"{self.spec.name} still loading its state after {timeout}s")
+            await asyncio.sleep(0.001)
+        if st == "paused" or st == "postmigrate":
+            await self.qmp("cont")
+        elif st != "running":
+            raise VmmError(f"{self.spec.name} is {st} after loading its state")
+
+
+def _kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

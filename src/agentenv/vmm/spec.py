@@ -1,0 +1,105 @@
+"""What a machine is made of, as plain values (the VMM's typed configuration)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentenv.vmm.accel import AccelInfo
+
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """One QEMU microvm. ``mem_share`` is True for a template being built (its RAM file is the
+    template), False for a sandbox (copy-on-write private mapping of the template's file)."""
+
+    name: str
+    run_dir: Path  # qmp.sock, console.log, qemu.log live here
+    kernel: Path
+    initramfs: Path
+    disk: Path  # qcow2 overlay
+    mem_path: Path
+    memory_mb: int
+    vcpus: int
+    accel: AccelInfo
+    mem_share: bool = False
+    incoming: bool = False  # start in -incoming defer, waiting for a device state
+    netns: str | None = None
+    tap: str | None = "tap0"
+    guest_mac: str = ""  # the network layer chooses the guest link's addresses
+    guest_ip: str = ""  # address/prefix, configured by the guest init from the command line
+    guest_gw: str = ""
+    tb_size_mb: int = 32
+    kernel_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def qmp_path(self) -> Path:
+        return self.run_dir / "qmp.sock"
+
+    @property
+    def console_log(self) -> Path:
+        return self.run_dir / "console.log"
+
+    @property
+    def qemu_log(self) -> Path:
+        return self.run_dir / "qemu.log"
+
+
+def build_argv(spec: MachineSpec) -> list[str]:
+    """The QEMU command line (qemu-microvm-notes.md §3)."""
+    share = "on" if spec.mem_share else "off"
+    append = " ".join(
+        ["console=ttyS0", "panic=-1", "quiet", "loglevel=3", "random.trust_cpu=on",
+         f"aenv.ip={spec.guest_ip}", f"aenv.gw={spec.guest_gw}", *spec.accel.kernel_args(), *spec.kernel_args]
+    )
+    argv = [
+        "qemu-system-x86_64",
+        "-name", spec.name,
+        "-M", "microvm,acpi=on,memory-backend=mem",
+        *spec.accel.qemu_args(spec.tb_size_mb),
+        "-m", f"{spec.memory_mb}M",
+        "-smp", str(spec.vcpus),
+        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-kernel", str(spec.kernel),
+        "-initrd", str(spec.initramfs),
+        "-append", append,
+        "-serial", f"file:{spec.console_log}",
+        "-object", f"memory-backend-file,id=mem,size={spec.memory_mb}M,mem-path={spec.mem_path},share={share}",
+        "-drive", f"file={spec.disk},if=none,id=d0,format=qcow2,cache=writeback,discard=unmap",
+        "-device", "virtio-blk-device,drive=d0",
+        "-object", "rng-random,id=rng0,filename=/dev/urandom",
+        "-device", "virtio-rng-device,rng=rng0",
+        "-qmp", f"unix:{spec.qmp_path},server=on,wait=off",
+    ]
+    if spec.tap:
+        argv += [
+            "-netdev", f"tap,id=n0,ifname={spec.tap},script=no,downscript=no",
+            "-device", f"virtio-net-device,netdev=n0,mac={spec.guest_mac}",
+        ]
+    if spec.incoming:
+        argv += ["-incoming", "defer"]
+    if spec.netns:
+        argv = ["ip", "netns", "exec", spec.netns, *argv]
+    return argv
+
+
+def spec_to_json(spec: MachineSpec) -> dict[str, object]:
+    """Serialise a spec so a restarted server can adopt the machine (see Machine.adopt)."""
+    d = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+    for k, v in list(d.items()):
+        if isinstance(v, Path):
+            d[k] = str(v)
+    d["accel"] = {"accel": spec.accel.accel, "reason": spec.accel.reason,
+                  "forced": spec.accel.forced, "tsc_khz": spec.accel.tsc_khz}
+    d["kernel_args"] = list(spec.kernel_args)
+    return d
+
+
+def spec_from_json(d: dict[str, object]) -> MachineSpec:
+    d = dict(d)
+    for k in ("run_dir", "kernel", "initramfs", "disk", "mem_path"):
+        d[k] = Path(str(d[k]))
+    d["accel"] = AccelInfo(**d["accel"])  # type: ignore[arg-type]
+    d["kernel_args"] = tuple(d["kernel_args"])  # type: ignore[arg-type]
+    return MachineSpec(**d)  # type: ignore[arg-type]
