@@ -90,5 +90,10 @@ class Settings:
         return hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:10]
 
     @property
+    def sock_dir(self) -> Path:
+        """QMP sockets: a short path whatever the data dir (Unix socket paths ≤ 107 bytes)."""
+        return Path("/run/agentenv") / self.instance_tag
+
+    @property
     def db_path(self) -> Path:
         return self.data_dir / "state.sqlite"

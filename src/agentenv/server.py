@@ -65,3 +65,7 @@ def serve(settings: Settings) -> None:
                 timeout_keep_alive=650, timeout_graceful_shutdown=10)
 
 
+
+
+if __name__ == "__main__":
+    serve(Settings.from_env())

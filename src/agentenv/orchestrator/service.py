@@ -40,7 +40,8 @@ class Orchestrator:
         self.catalog = TemplateCatalog(settings.data_dir / "templates")
         self.slots = SlotPool(settings.instance_tag, settings.slot_cidr, settings.slot_pool_size)
         self.snapshots = SnapshotBuilder(
-            root=settings.data_dir / "templates", mem_dir=settings.mem_dir, slots=self.slots,
+            root=settings.data_dir / "templates", mem_dir=settings.mem_dir, sock_dir=settings.sock_dir,
+            slots=self.slots,
             accel=self.accel, boot_timeout_s=settings.boot_timeout_s, tb_size_mb=settings.tcg_tb_size_mb,
         )
         self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots)
@@ -77,6 +78,8 @@ class Orchestrator:
             if live.envd:
                 await live.envd.aclose()
         self.store.close()
+        running = sum(1 for s in self._live.values() if s.record.state == State.RUNNING)
+        log.info("orchestrator stopped cleanly; %d running sandboxes left for the next start", running)
 
     async def shutdown_host(self) -> None:
         """Remove host-wide objects (tests and `aenv` uninstall); sandboxes must be gone."""
@@ -176,7 +179,7 @@ class Orchestrator:
         await self._transition(live, State.RUNNING)
 
     async def _make_shell(self, snap: TemplateSnapshot) -> Shell:
-        return await make_shell(snap, sandboxes_dir=self.sandboxes_dir, slots=self.slots,
+        return await make_shell(snap, sandboxes_dir=self.sandboxes_dir, sock_dir=self.settings.sock_dir, slots=self.slots,
                                 accel=self.accel, tb_size_mb=self.settings.tcg_tb_size_mb)
 
     # -- kill, timeout, failure -------------------------------------------------------------

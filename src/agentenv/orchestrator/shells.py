@@ -35,7 +35,7 @@ class Shell:
         await remove_tree(self.run_dir)
 
 
-async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, slots: SlotPool,
+async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_dir: Path, slots: SlotPool,
                      accel: AccelInfo, tb_size_mb: int) -> Shell:
     """Acquire slot, overlay and QEMU for one future sandbox; undo everything on failure."""
     sandbox_id = new_sandbox_id()
@@ -48,7 +48,7 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, slots: 
         slot = await slots.acquire()
         undo.add("slot", lambda: slots.release(slot))
         spec = MachineSpec(
-            name=sandbox_id, run_dir=run_dir, kernel=Path(snapshot.kernel),
+            name=sandbox_id, run_dir=run_dir, sock_dir=sock_dir, kernel=Path(snapshot.kernel),
             initramfs=Path(snapshot.initramfs), disk=run_dir / "disk.qcow2",
             mem_path=snapshot.mem_file, memory_mb=snapshot.memory_mb, vcpus=snapshot.vcpus,
             accel=accel, mem_share=False, incoming=True, netns=slot.netns, tb_size_mb=tb_size_mb,

@@ -83,9 +83,10 @@ def guest_link_spec() -> dict[str, str]:
 class SnapshotBuilder:
     """Makes (once) and finds the template snapshot of a (template, shape)."""
 
-    def __init__(self, *, root: Path, mem_dir: Path, slots: SlotPool, accel: AccelInfo,
+    def __init__(self, *, root: Path, mem_dir: Path, sock_dir: Path, slots: SlotPool, accel: AccelInfo,
                  boot_timeout_s: float, tb_size_mb: int) -> None:
         self.root = root
+        self.sock_dir = sock_dir
         self.mem_dir = mem_dir
         self.slots = slots
         self.accel = accel
@@ -129,7 +130,7 @@ class SnapshotBuilder:
             slot = await self.slots.acquire()
             undo.add("slot", lambda: self.slots.release(slot))
             spec = MachineSpec(
-                name=f"tmpl-{t.name}", run_dir=d / "run", kernel=t.artifacts.kernel,
+                name=f"tmpl-{t.name}", run_dir=d / "run", sock_dir=self.sock_dir, kernel=t.artifacts.kernel,
                 initramfs=t.artifacts.initramfs, disk=d / "disk.qcow2", mem_path=mem_file,
                 memory_mb=memory_mb, vcpus=vcpus, accel=self.accel, mem_share=True,
                 netns=slot.netns, tb_size_mb=self.tb_size_mb, **guest_link_spec(),

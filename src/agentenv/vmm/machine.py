@@ -56,6 +56,7 @@ class Machine:
     async def launch(cls, spec: MachineSpec) -> Machine:
         """Start QEMU and connect QMP. Raises VmLaunchFailed with QEMU's own message."""
         spec.run_dir.mkdir(parents=True, exist_ok=True)
+        spec.sock_dir.mkdir(parents=True, exist_ok=True)
         pidfile = spec.run_dir / "qemu.pid"
         pidfile.unlink(missing_ok=True)
         spec.qmp_path.unlink(missing_ok=True)
@@ -119,12 +120,17 @@ class Machine:
     def on_exit(self, callback: Callable[[], None]) -> None:
         self._exit.add_done_callback(lambda _f: callback())
 
-    async def kill(self) -> None:
-        """SIGKILL and wait until the process is gone (bounded). Idempotent."""
+    async def _disconnect(self) -> None:
+        """Close QMP. ``disconnect`` re-raises whatever ended the reader (EOFError when QEMU
+        died first), which is expected here and carries no information we need."""
         try:
             await asyncio.wait_for(self._qmp.disconnect(), 0.5)
-        except (QMPError, OSError, asyncio.TimeoutError):
+        except Exception:  # noqa: BLE001 — cleanup path
             pass
+
+    async def kill(self) -> None:
+        """SIGKILL and wait until the process is gone (bounded). Idempotent."""
+        await self._disconnect()
         if not self.exited:
             _kill_pid(self.pid)
             try:
@@ -134,10 +140,7 @@ class Machine:
 
     async def detach(self) -> None:
         """Drop our QMP connection and watcher but leave QEMU running (server shutdown)."""
-        try:
-            await asyncio.wait_for(self._qmp.disconnect(), 0.5)
-        except (QMPError, OSError, asyncio.TimeoutError):
-            pass
+        await self._disconnect()
         if self._pidfd is not None:
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)

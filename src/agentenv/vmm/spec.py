@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +16,8 @@ class MachineSpec:
     template), False for a sandbox (copy-on-write private mapping of the template's file)."""
 
     name: str
-    run_dir: Path  # qmp.sock, console.log, qemu.log live here
+    run_dir: Path  # console.log, qemu.pid, machine.json live here
+    sock_dir: Path  # short path for the QMP socket (Unix socket paths are limited to 107 bytes)
     kernel: Path
     initramfs: Path
     disk: Path  # qcow2 overlay
@@ -35,7 +37,8 @@ class MachineSpec:
 
     @property
     def qmp_path(self) -> Path:
-        return self.run_dir / "qmp.sock"
+        digest = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:16]
+        return self.sock_dir / f"{digest}.qmp"
 
     @property
     def console_log(self) -> Path:
@@ -98,7 +101,7 @@ def spec_to_json(spec: MachineSpec) -> dict[str, object]:
 
 def spec_from_json(d: dict[str, object]) -> MachineSpec:
     d = dict(d)
-    for k in ("run_dir", "kernel", "initramfs", "disk", "mem_path"):
+    for k in ("run_dir", "sock_dir", "kernel", "initramfs", "disk", "mem_path"):
         d[k] = Path(str(d[k]))
     d["accel"] = AccelInfo(**d["accel"])  # type: ignore[arg-type]
     d["kernel_args"] = tuple(d["kernel_args"])  # type: ignore[arg-type]

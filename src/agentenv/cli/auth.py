@@ -1,0 +1,47 @@
+"""`aenv auth`: remember which server to talk to and with which key.
+
+So that everyday commands need no flags: the key of a local server is picked up from its data
+dir once (as root), then lives in the user's own 0600 credentials file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from agentenv.cli import credentials
+from agentenv.cli.client import ApiClient
+from agentenv.cli.context import CliError, globals_of
+from agentenv.cli.output import console
+
+
+def auth(
+    ctx: typer.Context,
+    url: Annotated[str | None, typer.Option("--url", help="Server URL; default: the saved one, "
+                                            "else http://127.0.0.1:8000.", show_default=False)] = None,
+    key: Annotated[str | None, typer.Option("--key", help="API key; default: read from <data-dir>/api_key.",
+                                            show_default=False)] = None,
+    data_dir: Annotated[Path | None, typer.Option("--data-dir", envvar="AENV_DATA_DIR", show_default=False,
+                                                  help="Server data dir holding api_key; "
+                                                       "default /var/lib/agentenv.")] = None,
+) -> None:
+    """Save the server URL and API key to ~/.config/agentenv/credentials.json (mode 0600)."""
+    g = globals_of(ctx)
+    directory = data_dir or credentials.data_dir()
+    key = key or g.key or credentials.read_key_file(directory)
+    if not key:
+        raise CliError(f"no API key given and {directory / 'api_key'} is not readable; "
+                       "pass --key, or run `sudo aenv auth` on the server host")
+    chosen = url or g.url or credentials.load().get("url") or credentials.DEFAULT_URL
+    chosen = credentials.normalize_url(chosen)
+    path = credentials.save(chosen, key)
+    out = console(stderr=True)
+    out.print(f"saved credentials for {chosen} to {path} (mode 0600)", markup=False)
+    try:
+        with ApiClient(chosen, key, timeout=3.0) as client:
+            client.call("GET", "/templates")
+        out.print(f"the server at {chosen} accepted the key", markup=False)
+    except CliError as exc:
+        out.print(f"warning: could not verify the key: {exc}", style="yellow", markup=False)

@@ -1,0 +1,107 @@
+"""A small synchronous client of the AgentENV HTTP API, for the CLI.
+
+Its one job beyond httpx: turn every failure (server down, timeout, an HTTP error answer
+``{code, message}``) into a ``CliError`` carrying one readable sentence, which main.py prints
+as ``error: <message>`` with exit code 1.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import typer
+
+from agentenv import __version__
+from agentenv.cli import credentials
+from agentenv.cli.context import CliError, globals_of
+
+DEFAULT_TIMEOUT = 30.0
+# Streams (exec output, file transfers) may be silent for a long time: no read timeout.
+STREAM_TIMEOUT = httpx.Timeout(DEFAULT_TIMEOUT, read=None, write=None)
+
+
+class ApiClient:
+    def __init__(self, url: str, key: str | None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.url = url.rstrip("/")
+        headers = {"User-Agent": f"aenv/{__version__}"}
+        if key:
+            headers["X-API-Key"] = key
+        host = urlsplit(self.url).hostname or ""
+        # Never send a local server's traffic through an HTTP(S)_PROXY from the environment.
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
+                                  trust_env=host not in ("127.0.0.1", "localhost", "::1"))
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def call(self, method: str, path: str, **kw: Any) -> Any:
+        """One request; returns the decoded JSON body (None when there is none)."""
+        with self._translate():
+            resp = self._http.request(method, path, **kw)
+        raise_for_error(resp)
+        if resp.content and resp.headers.get("content-type", "").startswith("application/json"):
+            return resp.json()
+        return None
+
+    @contextmanager
+    def stream(self, method: str, path: str, **kw: Any) -> Iterator[httpx.Response]:
+        """A streamed response, already checked for an error status; errors while the caller
+        reads the body are translated too."""
+        kw.setdefault("timeout", STREAM_TIMEOUT)
+        with self._translate(), self._http.stream(method, path, **kw) as resp:
+            if resp.is_error:
+                resp.read()
+                raise_for_error(resp)
+            yield resp
+
+    @contextmanager
+    def _translate(self) -> Iterator[None]:
+        try:
+            yield
+        except httpx.ConnectError as exc:
+            raise CliError(f"cannot reach the AgentENV server at {self.url} ({_reason(exc)}); "
+                           "is `aenv serve` running? (set the address with --url or `aenv auth`)") from exc
+        except httpx.TimeoutException as exc:
+            raise CliError(f"the server at {self.url} did not answer in time ({type(exc).__name__})") from exc
+        except httpx.HTTPError as exc:
+            raise CliError(f"request to {self.url} failed: {_reason(exc)}") from exc
+
+
+def raise_for_error(resp: httpx.Response) -> None:
+    if resp.is_error:
+        raise CliError(error_message(resp), status=resp.status_code)
+
+
+def error_message(resp: httpx.Response) -> str:
+    """The server's ``message`` (falling back to the raw body), with a hint for a bad key."""
+    try:
+        body = resp.json()
+        message = str(body.get("message") or body.get("detail") or body)
+    except ValueError:
+        message = resp.text.strip()[:300] or f"HTTP {resp.status_code} {resp.reason_phrase}"
+    if resp.status_code == 401:
+        message += " (run `aenv auth`, or pass --key / set AENV_API_KEY)"
+    return message
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    return re.sub(r"^\[Errno -?\d+\]\s*", "", text).rstrip(".").lower() if text[0] == "[" else text
+
+
+def client_for(ctx: typer.Context, *, timeout: float = DEFAULT_TIMEOUT) -> ApiClient:
+    """A client for the server the global options / credentials file / defaults point at."""
+    g = globals_of(ctx)
+    creds = credentials.resolve(g.url, g.key)
+    return ApiClient(creds.url, creds.key, timeout=timeout)

@@ -1,0 +1,35 @@
+"""What every command shares: the global options and the one error type the CLI prints.
+
+Kept apart from main.py so command modules can import it without importing the app.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import typer
+
+
+class CliError(Exception):
+    """A failure the user can act on; main.py prints it as ``error: <message>`` and exits 1.
+
+    ``status`` is the HTTP status when the server answered with an error, else None.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Globals:
+    """Options given before the command (``aenv --url U --key K -o json ls``)."""
+
+    url: str | None = None
+    key: str | None = None
+    output: str | None = None  # "table" | "json" | None (= decide by TTY)
+
+
+def globals_of(ctx: typer.Context) -> Globals:
+    obj = ctx.find_root().obj
+    return obj if isinstance(obj, Globals) else Globals()

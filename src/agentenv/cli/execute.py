@@ -1,0 +1,90 @@
+"""`aenv exec`: run one command in a sandbox, streaming its output as it happens.
+
+The server answers ``stream=true`` with NDJSON events (start, stdout/stderr chunks, end); they
+are copied to the local stdout/stderr at once, and the CLI exits with the command's exit code,
+so `aenv exec` composes in scripts like a local command.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from agentenv.cli.client import ApiClient, client_for
+from agentenv.cli.context import CliError
+from agentenv.cli.params import parse_pairs
+
+
+# `aenv exec ID ls -la` passes -la on to the command; only --help (not -h) is ours.
+CONTEXT = {"ignore_unknown_options": True, "help_option_names": ["--help"]}
+
+
+def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, envs: dict[str, str] | None = None,
+                cwd: str | None = None, user: str | None = None, timeout: float = 0) -> int:
+    """Run ``cmd`` (a shell string or an argv list), copy its output, return its exit code."""
+    body: dict[str, Any] = {"cmd": cmd, "stream": True, "timeout": timeout}
+    if envs:
+        body["envs"] = envs
+    if cwd:
+        body["cwd"] = cwd
+    if user:
+        body["user"] = user
+    with client.stream("POST", f"/sandboxes/{sandbox_id}/exec", json=body) as resp:
+        for line in resp.iter_lines():
+            if not line.strip():
+                continue
+            event = json.loads(line)
+            kind = event.get("type")
+            if kind in ("stdout", "pty"):
+                _write(sys.stdout, event.get("data", ""))
+            elif kind == "stderr":
+                _write(sys.stderr, event.get("data", ""))
+            elif kind == "end":
+                return _exit_code(event)
+    raise CliError("the server closed the output stream before the command ended")
+
+
+def _write(stream: Any, data: str) -> None:
+    stream.write(data)
+    stream.flush()
+
+
+def _exit_code(end: dict[str, Any]) -> int:
+    """The command's exit status; a signal death becomes 128+N and is reported on stderr."""
+    code = end.get("exitCode")
+    error = end.get("error") or ""
+    if isinstance(code, int) and code >= 0:
+        return min(code, 255)
+    if error:
+        _write(sys.stderr, f"aenv: {error}\n")
+    if error.startswith("signal: "):
+        name = error.removeprefix("signal: ")
+        for sig in signal.Signals:
+            if (signal.strsignal(sig) or "").lower() == name:
+                return 128 + sig.value
+    return 1
+
+
+def exec_command(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.", show_default=False)],
+    cmd: Annotated[list[str], typer.Argument(metavar="CMD", show_default=False,
+                                             help="One argument runs as a bash -l -c string; "
+                                                  "several run as an argv list.")],
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", metavar="K=V",
+                                                  help="Environment variable (repeatable).")] = None,
+    cwd: Annotated[str | None, typer.Option("--cwd", help="Working directory in the sandbox.")] = None,
+    user: Annotated[str | None, typer.Option("--user", "-u", help="User to run as (default: user).")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", "-t", help="Seconds before the command is "
+                                                                   "killed; 0 means no limit.")] = 0,
+) -> None:
+    """Run a command in a sandbox: `aenv exec ID -- CMD...`; exits with the command's code."""
+    envs = parse_pairs(env, "--env")
+    command: str | list[str] = cmd[0] if len(cmd) == 1 else list(cmd)
+    with client_for(ctx) as client:
+        code = stream_exec(client, sandbox_id, command, envs=envs, cwd=cwd, user=user, timeout=timeout)
+    raise typer.Exit(code)

@@ -1,0 +1,342 @@
+"""CLI tests that need no real server and start no VM (real-VM CLI tests live elsewhere).
+
+Commands run in-process through typer's CliRunner; the ones that talk HTTP use the ``stub``
+server from conftest.py, so request shapes, streaming and exit codes are checked over a socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from agentenv.cli import credentials
+from agentenv.cli.context import Globals
+from agentenv.cli.output import OutputFormat, choose_format
+
+from .conftest import Answer
+
+COMMANDS = ["serve", "setup", "doctor", "auth", "start", "exec", "ls", "timeout", "rm", "upload", "download",
+            "template", "template ls"]
+
+SANDBOX = {"templateID": "base", "sandboxID": "sb1", "alias": "base", "startedAt": "2030-01-01T00:00:00Z",
+           "endAt": "2030-01-01T00:05:00Z", "cpuCount": 2, "memoryMB": 512, "diskSizeMB": 4096,
+           "state": "running", "metadata": {"team": "rl"}, "error": None}
+
+
+def ndjson(*events: dict) -> Answer:
+    return Answer(200, [json.dumps(e).encode() + b"\n" for e in events], "application/x-ndjson")
+
+
+# --- help and startup -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_of_every_command(aenv, command):
+    res = aenv(*command.split(), "--help")
+    assert res.exit_code == 0, res.output
+    assert "Usage" in res.stdout
+
+
+def test_root_help_lists_commands(aenv):
+    res = aenv("--help")
+    assert res.exit_code == 0
+    for command in COMMANDS:
+        assert command.split()[0] in res.stdout
+    assert "bench" not in res.stdout
+
+
+def test_cli_never_imports_the_server_side():
+    code = ("import sys, agentenv.cli.main; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('fastapi', 'uvicorn') "
+            "or m.startswith(('agentenv.server', 'agentenv.orchestrator', 'agentenv.api'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+# --- credentials --------------------------------------------------------------------------------
+
+def test_auth_writes_a_0600_file(aenv, isolated_env, closed_port):
+    url = f"http://127.0.0.1:{closed_port}"
+    res = aenv("auth", "--url", url, "--key", "secret-key")
+    assert res.exit_code == 0, res.output
+    path = isolated_env / ".config" / "agentenv" / "credentials.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert json.loads(path.read_text()) == {"url": url, "key": "secret-key"}
+    assert "could not verify" in res.stderr  # nobody listens: saved anyway, with a warning
+    assert "secret-key" not in res.output
+
+
+def test_auth_reads_the_key_file_of_the_data_dir(aenv, tmp_path, stub):
+    data = tmp_path / "node"
+    data.mkdir()
+    (data / "api_key").write_text("from-file\n")
+    stub.on("GET", "/templates", [])
+    res = aenv("auth", "--url", stub.url, "--data-dir", str(data))
+    assert res.exit_code == 0, res.output
+    assert credentials.load() == {"url": stub.url, "key": "from-file"}
+    assert stub.calls("GET", "/templates")[0].headers["X-API-Key"] == "from-file"
+    assert "accepted the key" in res.stderr
+
+
+def test_auth_without_any_key_fails_clearly(aenv, tmp_path):
+    res = aenv("auth", "--data-dir", str(tmp_path / "nothing"))
+    assert res.exit_code == 1
+    assert res.stderr.startswith("error: no API key given")
+
+
+def test_resolution_order(monkeypatch, tmp_path):
+    data = Path(os.environ["AENV_DATA_DIR"])
+    data.mkdir()
+    (data / "api_key").write_text("k-file\n")
+    assert credentials.resolve() == credentials.Credentials("http://127.0.0.1:8000", "k-file")
+    credentials.save("http://saved:1", "k-saved")
+    assert credentials.resolve() == credentials.Credentials("http://saved:1", "k-saved")
+    assert credentials.resolve("flag:2", None) == credentials.Credentials("http://flag:2", "k-saved")
+    assert credentials.resolve(None, "k-flag") == credentials.Credentials("http://saved:1", "k-flag")
+
+
+def test_env_vars_act_as_global_flags(aenv, stub, monkeypatch):
+    stub.on("GET", "/sandboxes", [])
+    monkeypatch.setenv("AENV_URL", stub.url)
+    monkeypatch.setenv("AENV_API_KEY", "k-env")
+    assert aenv("ls").exit_code == 0
+    assert stub.requests[-1].headers["X-API-Key"] == "k-env"
+
+
+# --- output format ------------------------------------------------------------------------------
+
+class _Ctx:
+    def __init__(self, output=None):
+        self.obj = Globals(output=output)
+
+    def find_root(self):
+        return self
+
+
+def test_format_follows_the_terminal_unless_told():
+    assert choose_format(_Ctx(), isatty=True) == "table"
+    assert choose_format(_Ctx(), isatty=False) == "json"
+    assert choose_format(_Ctx("json"), isatty=True) == "json"
+    assert choose_format(_Ctx("json"), OutputFormat.table, isatty=False) == "table"  # command option wins
+
+
+def test_ls_is_json_when_piped_and_a_table_when_asked(aenv, stub):
+    stub.on("GET", "/sandboxes", [SANDBOX])
+    piped = aenv("--url", stub.url, "ls")
+    assert piped.exit_code == 0, piped.output
+    assert json.loads(piped.stdout) == [SANDBOX]
+    for args in (["ls", "-o", "table"], ["-o", "table", "ls"]):
+        table = aenv("--url", stub.url, *args)
+        assert table.exit_code == 0
+        assert "TEMPLATE" in table.stdout and "sb1" in table.stdout and "team=rl" in table.stdout
+        with pytest.raises(ValueError):
+            json.loads(table.stdout)
+
+
+def test_ls_sends_filters(aenv, stub):
+    stub.on("GET", "/sandboxes", [])
+    res = aenv("--url", stub.url, "ls", "--state", "running,error", "-m", "a=1", "-m", "b=2")
+    assert res.exit_code == 0
+    assert stub.requests[-1].query == {"state": ["running,error"], "metadata": ["a=1", "b=2"]}
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+def test_unreachable_server_is_one_error_line(aenv, closed_port):
+    res = aenv("--url", f"http://127.0.0.1:{closed_port}", "ls")
+    assert res.exit_code == 1
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot reach the AgentENV server at "), res.stderr
+    assert "Traceback" not in res.output
+
+
+def test_server_error_message_is_shown(aenv, stub):
+    stub.on("DELETE", "/sandboxes/nope", {"code": 404, "message": "sandbox 'nope' not found"}, status=404)
+    res = aenv("--url", stub.url, "rm", "nope")
+    assert res.exit_code == 1
+    assert "error: sandbox 'nope' not found" in res.stderr
+
+
+def test_bad_key_gets_a_hint(aenv, stub):
+    stub.on("GET", "/templates", {"code": 401, "message": "missing or invalid API key"}, status=401)
+    res = aenv("--url", stub.url, "--key", "wrong", "template", "ls")
+    assert res.exit_code == 1
+    assert res.stderr.startswith("error: missing or invalid API key") and "aenv auth" in res.stderr
+
+
+def test_doctor_with_the_server_unreachable(aenv, closed_port):
+    res = aenv("--url", f"http://127.0.0.1:{closed_port}", "doctor")
+    checks = {c["check"]: c for c in json.loads(res.stdout)}
+    for name in ("root", "qemu-system-x86_64", "qemu-img", "accelerator", "/dev/shm", "guest images", "nft", "ip",
+                 "server"):
+        assert checks[name]["status"] in ("OK", "FAIL", "WARN"), name
+        assert checks[name]["detail"]
+    assert checks["server"]["status"] == "WARN" and "cannot reach" in checks["server"]["detail"]
+    assert checks["guest images"]["status"] == "FAIL"  # AENV_DATA_DIR is an empty tmp dir
+    assert "aenv setup" in checks["guest images"]["detail"]
+    assert res.exit_code == 1
+    table = aenv("--url", f"http://127.0.0.1:{closed_port}", "doctor", "-o", "table")
+    assert "CHECK" in table.stdout and "WARN" in table.stdout
+
+
+def test_doctor_shows_the_server_accel(aenv, stub):
+    stub.on("GET", "/health", Answer(204))
+    stub.on("GET", "/health/details", {"version": "0.1.0", "accel": "tcg", "accelReason": "no kvm",
+                                       "sandboxes": {"running": 2}})
+    stub.on("GET", "/templates", [])
+    checks = {c["check"]: c for c in json.loads(aenv("--url", stub.url, "doctor").stdout)}
+    assert checks["server"]["status"] == "OK" and "accel tcg: no kvm" in checks["server"]["detail"]
+    assert checks["API key"]["status"] == "OK"
+
+
+def test_root_check_message(monkeypatch):
+    from agentenv.cli import doctor
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    check = doctor.check_root()
+    assert check.status == "FAIL"
+    assert "AgentENV needs root (CAP_NET_ADMIN) to create network namespaces" in check.detail
+
+
+# --- sandboxes ----------------------------------------------------------------------------------
+
+def test_exec_streams_output_and_exits_with_the_code(aenv, stub):
+    stub.on("POST", "/sandboxes/sb1/exec", ndjson(
+        {"type": "start", "pid": 7}, {"type": "stdout", "data": "hello\n"}, {"type": "stderr", "data": "oops\n"},
+        {"type": "stdout", "data": "bye\n"}, {"type": "end", "exitCode": 3, "status": "exit status 3",
+                                              "error": "exit status 3"}))
+    res = aenv("--url", stub.url, "exec", "sb1", "-e", "A=1", "--cwd", "/tmp", "--", "sh", "-c", "exit 3")
+    assert res.exit_code == 3
+    assert res.stdout == "hello\nbye\n"
+    assert res.stderr == "oops\n"
+    body = stub.requests[-1].json()
+    assert body == {"cmd": ["sh", "-c", "exit 3"], "stream": True, "timeout": 0, "envs": {"A": "1"}, "cwd": "/tmp"}
+
+
+def test_exec_single_arg_is_a_shell_string_and_options_pass_through(aenv, stub):
+    stub.on("POST", "/sandboxes/sb1/exec", ndjson({"type": "end", "exitCode": 0, "status": "exit status 0"}))
+    assert aenv("--url", stub.url, "exec", "sb1", "ls -la | wc -l").exit_code == 0
+    assert stub.requests[-1].json()["cmd"] == "ls -la | wc -l"
+    assert aenv("--url", stub.url, "exec", "sb1", "ls", "-la").exit_code == 0
+    assert stub.requests[-1].json()["cmd"] == ["ls", "-la"]
+
+
+def test_exec_killed_by_a_signal(aenv, stub):
+    stub.on("POST", "/sandboxes/sb1/exec", ndjson({"type": "end", "exitCode": -1, "status": "signal: killed",
+                                                   "error": "signal: killed"}))
+    res = aenv("--url", stub.url, "exec", "sb1", "sleep 100")
+    assert res.exit_code == 137
+    assert "signal: killed" in res.stderr
+
+
+def test_exec_stream_cut_short_is_an_error(aenv, stub):
+    stub.on("POST", "/sandboxes/sb1/exec", ndjson({"type": "stdout", "data": "partial"}))
+    res = aenv("--url", stub.url, "exec", "sb1", "true")
+    assert res.exit_code == 1 and "error: the server closed the output stream" in res.stderr
+
+
+def test_start_detached_prints_the_id(aenv, stub):
+    stub.on("POST", "/sandboxes", {"templateID": "py", "sandboxID": "sb9"}, status=201)
+    res = aenv("--url", stub.url, "start", "py", "-d", "--timeout", "60", "--cpu", "2", "--memory", "1024",
+               "-m", "team=rl", "-e", "X=1")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == "sb9\n"
+    assert stub.requests[-1].json() == {"templateID": "py", "timeout": 60, "cpuCount": 2, "memoryMB": 1024,
+                                        "metadata": {"team": "rl"}, "envVars": {"X": "1"}}
+    as_json = aenv("--url", stub.url, "start", "-d", "-o", "json")
+    assert json.loads(as_json.stdout)["sandboxID"] == "sb9"
+    assert stub.requests[-1].json() == {"templateID": "base"}
+
+
+def test_start_runs_lines_then_kills(aenv, stub):
+    stub.on("POST", "/sandboxes", {"templateID": "base", "sandboxID": "sb1"}, status=201)
+    stub.on("POST", "/sandboxes/sb1/exec", ndjson({"type": "stdout", "data": "hi\n"},
+                                                  {"type": "end", "exitCode": 0, "status": "exit status 0"}))
+    stub.on("DELETE", "/sandboxes/sb1", Answer(204))
+    res = aenv("--url", stub.url, "start", input="echo hi\n\npwd\nexit\necho never\n")
+    assert res.exit_code == 0, res.output
+    assert [r.json()["cmd"] for r in stub.calls("POST", "/sandboxes/sb1/exec")] == ["echo hi", "pwd"]
+    assert res.stdout == "hi\nhi\n"
+    assert len(stub.calls("DELETE", "/sandboxes/sb1")) == 1
+    kept = aenv("--url", stub.url, "start", "--keep", input="")
+    assert kept.exit_code == 0 and len(stub.calls("DELETE", "/sandboxes/sb1")) == 1
+
+
+def test_timeout_and_rm_all(aenv, stub):
+    stub.on("POST", "/sandboxes/sb1/timeout", Answer(204))
+    assert aenv("--url", stub.url, "timeout", "sb1", "90").exit_code == 0
+    assert stub.requests[-1].json() == {"timeout": 90}
+    stub.on("GET", "/sandboxes", [SANDBOX, {**SANDBOX, "sandboxID": "sb2"}])
+    stub.on("DELETE", "/sandboxes/sb1", Answer(204))
+    stub.on("DELETE", "/sandboxes/sb2", Answer(204))
+    res = aenv("--url", stub.url, "rm", "--all")
+    assert res.exit_code == 0, res.output
+    assert sorted(res.stdout.split()) == ["sb1", "sb2"]
+    assert aenv("rm").exit_code == 2  # neither ids nor --all: usage error
+
+
+def test_upload_and_download_stream(aenv, stub, tmp_path):
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    src = tmp_path / "blob.bin"
+    src.write_bytes(data)
+    stub.on("PUT", "/sandboxes/sb1/files", Answer(204))
+    res = aenv("--url", stub.url, "upload", "sb1", str(src), "/home/user/")
+    assert res.exit_code == 0, res.output
+    put = stub.requests[-1]
+    assert put.query == {"path": ["/home/user/blob.bin"]}
+    assert put.headers["Content-Length"] == str(len(data)) and put.body == data
+
+    stub.on("GET", "/sandboxes/sb1/files", Answer(200, [data[:1000], data[1000:]], "application/octet-stream"))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    res = aenv("--url", stub.url, "download", "sb1", "/home/user/blob.bin", str(out_dir))
+    assert res.exit_code == 0, res.output
+    assert (out_dir / "blob.bin").read_bytes() == data
+    assert [p.name for p in out_dir.iterdir()] == ["blob.bin"]  # no leftover partial file
+
+
+def test_download_error_leaves_no_file(aenv, stub, tmp_path):
+    stub.on("GET", "/sandboxes/sb1/files", {"code": 404, "message": "guest agent: file not found"}, status=404)
+    dest = tmp_path / "x"
+    res = aenv("--url", stub.url, "download", "sb1", "/nope", str(dest))
+    assert res.exit_code == 1 and "error: guest agent: file not found" in res.stderr
+    assert list(tmp_path.glob("*x*")) == []
+
+
+# --- serve wiring -------------------------------------------------------------------------------
+
+def test_serve_flags_override_env(aenv, monkeypatch, tmp_path):
+    seen = []
+    fake = types.ModuleType("agentenv.server")
+    fake.serve = seen.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "agentenv.server", fake)
+    monkeypatch.setenv("AENV_PORT", "7000")
+    monkeypatch.setenv("AENV_HOST", "0.0.0.0")
+    res = aenv("serve", "--port", "7001", "--data-dir", str(tmp_path / "d"))
+    assert res.exit_code == 0, res.output
+    (settings,) = seen
+    assert (settings.host, settings.port, settings.data_dir) == ("0.0.0.0", 7001, tmp_path / "d")
+
+
+def test_serve_turns_platform_errors_into_one_line(aenv, monkeypatch):
+    from agentenv.errors import ProvisioningError
+
+    def boom(_settings):
+        raise ProvisioningError("no guest images under /x; run `aenv setup` first")
+
+    fake = types.ModuleType("agentenv.server")
+    fake.serve = boom  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "agentenv.server", fake)
+    res = aenv("serve")
+    assert res.exit_code == 1
+    assert res.stderr.startswith("starting AgentENV on http://127.0.0.1:8000")
+    assert res.stderr.endswith("\nerror: no guest images under /x; run `aenv setup` first\n")
+    assert "Traceback" not in res.output

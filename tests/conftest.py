@@ -1,0 +1,48 @@
+"""Session set-up shared by every test folder.
+
+Test servers use addresses in 10.216.0.0/16 and data dirs under pytest's temporary root. A test
+run that was itself killed (not a server crash, which the servers recover from) can leave their
+QEMU processes and namespaces behind; they would collide with this run's addresses, so they are
+swept once at the start.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+TEST_NET = ipaddress.ip_network("10.216.0.0/16")
+
+
+def _sweep_stale_test_nodes() -> None:
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmd.startswith(b"qemu-system") and b"/pytest-of-" in cmd:
+                os.kill(int(p.name), signal.SIGKILL)
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        dev, addr = line.split()[1].split("@")[0], line.split()[3]
+        if dev.startswith("ae") and ipaddress.ip_interface(addr).ip in TEST_NET:
+            subprocess.run(["ip", "link", "del", dev], capture_output=True)
+    for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if not ns.startswith("aenv-"):
+            continue
+        a = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True, text=True).stdout
+        if not a.strip() or ipaddress.ip_interface(a.split()[3]).ip in TEST_NET:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _clean_host() -> None:
+    if os.geteuid() == 0:
+        _sweep_stale_test_nodes()

@@ -1,0 +1,58 @@
+"""Commands and files inside a sandbox, through the native API."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import httpx
+
+from tests.e2e.conftest import run
+
+
+def test_exec_exit_codes_streams_env_cwd_user(api: httpx.Client, sandbox: str) -> None:
+    r = run(api, sandbox, "echo out; echo err >&2; exit 3")
+    assert (r["exitCode"], r["stdout"], r["stderr"]) == (3, "out\n", "err\n")
+    assert run(api, sandbox, ["printf", "%s|", "a b", "c"])["stdout"] == "a b|c|"
+    assert run(api, sandbox, "echo $X", envs={"X": "42"})["stdout"] == "42\n"
+    assert run(api, sandbox, "echo ${X:-unset}")["stdout"] == "unset\n"  # request envs do not leak
+    assert run(api, sandbox, "pwd", cwd="/tmp")["stdout"] == "/tmp\n"
+    assert run(api, sandbox, "whoami")["stdout"] == "user\n"
+    assert run(api, sandbox, "whoami", user="root")["stdout"] == "root\n"
+    assert run(api, sandbox, "sudo -n whoami")["stdout"] == "root\n"
+    for tool in ("python3 --version", "curl --version", "git --version", "tput -T xterm cols"):
+        assert run(api, sandbox, tool)["exitCode"] == 0, tool
+
+
+def test_exec_timeout_kills_the_command(api: httpx.Client, sandbox: str) -> None:
+    r = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "sleep 30", "timeout": 1})
+    assert r.status_code == 504, r.text
+    assert run(api, sandbox, "pgrep -x sleep || echo none")["stdout"].strip() == "none"
+
+
+def test_exec_streams_output_as_it_happens(api: httpx.Client, sandbox: str) -> None:
+    events = []
+    with api.stream("POST", f"/sandboxes/{sandbox}/exec",
+                    json={"cmd": "for i in 1 2 3; do echo $i; sleep 0.2; done", "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            events.append(json.loads(line))
+    assert events[0]["type"] == "start" and events[0]["pid"] > 0
+    assert "".join(e["data"] for e in events if e["type"] == "stdout") == "1\n2\n3\n"
+    assert events[-1]["type"] == "end" and events[-1]["exitCode"] == 0
+
+
+def test_files_roundtrip_large_and_missing(api: httpx.Client, sandbox: str) -> None:
+    data = os.urandom(20 * 1024 * 1024)
+    r = api.put(f"/sandboxes/{sandbox}/files", params={"path": "/home/user/dir/big.bin"}, content=data)
+    assert r.status_code == 204, r.text
+    sha = hashlib.sha256(data).hexdigest()
+    assert run(api, sandbox, "sha256sum /home/user/dir/big.bin")["stdout"].split()[0] == sha
+    assert run(api, sandbox, "stat -c %U /home/user/dir/big.bin")["stdout"] == "user\n"
+    got = api.get(f"/sandboxes/{sandbox}/files", params={"path": "/home/user/dir/big.bin"})
+    assert got.status_code == 200 and hashlib.sha256(got.content).hexdigest() == sha
+    missing = api.get(f"/sandboxes/{sandbox}/files", params={"path": "/home/user/nope"})
+    assert missing.status_code == 404 and "does not exist" in missing.json()["message"]
+    run(api, sandbox, "echo written-inside > /tmp/in.txt")
+    assert api.get(f"/sandboxes/{sandbox}/files", params={"path": "/tmp/in.txt"}).text == "written-inside\n"

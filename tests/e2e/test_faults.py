@@ -1,0 +1,109 @@
+"""Faults: QEMU killed under a sandbox, a full disk, a hung guest agent, a full node."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import run
+from tests.framework import host
+from tests.framework.server import ServerProcess
+
+
+def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: ServerProcess) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    (pid,) = host.qemu_pids(sid)
+    ns = f"{(server.data_dir / 'sandboxes' / sid / 'machine.json').read_text()}"
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    info = {}
+    while time.monotonic() < deadline:
+        info = api.get(f"/sandboxes/{sid}").json()
+        if info["state"] == "error":
+            break
+        time.sleep(0.1)
+    assert info["state"] == "error" and "QEMU exited" in info["error"]
+    assert not any(n in ns for n in host.netns_names() if n.startswith("aenv-")), "namespace not freed"
+    r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "true"})
+    assert r.status_code == 409 and "error" in r.json()["message"]
+    assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    assert api.get(f"/sandboxes/{sid}").status_code == 404
+
+
+@pytest.fixture(scope="module")
+def small_disk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A node whose data dir is a 96 MiB tmpfs, with no warm pool and room for 2 sandboxes."""
+    mnt = tmp_path_factory.mktemp("smalldisk")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(mnt)], check=True)
+    s = ServerProcess(mnt / "data", "10.216.16.0/24", AENV_POOL_SIZE="0", AENV_MAX_SANDBOXES="2")
+    try:
+        s.start()
+        yield s
+        s.kill_all()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_node_answers_429(small_disk_server: ServerProcess) -> None:
+    with small_disk_server.client() as api:
+        ids = []
+        for _ in range(2):
+            r = api.post("/sandboxes", json={"templateID": "base"})
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["sandboxID"])
+        r = api.post("/sandboxes", json={"templateID": "base"})
+        assert r.status_code == 429 and "maximum of 2" in r.json()["message"]
+        assert r.headers.get("retry-after")
+        for sid in ids:
+            api.delete(f"/sandboxes/{sid}")
+
+
+def test_disk_full_while_creating_leaves_nothing(small_disk_server: ServerProcess) -> None:
+    data = small_disk_server.data_dir
+    with small_disk_server.client() as api:
+        first = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        before = (host.sandbox_dirs(data), host.qemu_pids(str(data)), host.netns_names())
+        filler = data / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=200"], capture_output=True)
+        try:
+            r = api.post("/sandboxes", json={"templateID": "base"})
+            assert r.status_code == 507, r.text
+            assert "space" in r.json()["message"]
+            after = (host.sandbox_dirs(data), host.qemu_pids(str(data)), host.netns_names())
+            assert after == before
+            assert [s["sandboxID"] for s in api.get("/sandboxes").json()] == [first]
+        finally:
+            filler.unlink()
+        r = api.post("/sandboxes", json={"templateID": "base"})
+        assert r.status_code == 201, r.text
+        assert run(api, r.json()["sandboxID"], "echo ok")["stdout"] == "ok\n"
+        for s in api.get("/sandboxes").json():
+            api.delete(f"/sandboxes/{s['sandboxID']}")
+
+
+def test_hung_guest_agent_fails_create_in_bounded_time(tmp_path: Path) -> None:
+    s = ServerProcess(tmp_path / "data", "10.216.17.0/24", AENV_POOL_SIZE="0",
+                      AENV_FAULTS="hang_after_restore", AENV_RESTORE_TIMEOUT="3")
+    s.start()
+    try:
+        with s.client() as api:
+            # The first create also builds the template snapshot (a cold boot); time the second.
+            api.post("/sandboxes", json={"templateID": "base"})
+            before = (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir)))
+            t0 = time.monotonic()
+            r = api.post("/sandboxes", json={"templateID": "base"})
+            elapsed = time.monotonic() - t0
+            assert r.status_code == 502, r.text
+            assert "did not answer" in r.json()["message"]
+            assert elapsed < 20, elapsed
+            assert api.get("/sandboxes").json() == []
+            assert (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir))) == before
+    finally:
+        s.kill_all()

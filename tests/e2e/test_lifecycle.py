@@ -1,0 +1,99 @@
+"""Create, get, list, timeout and kill, as a user of the HTTP API sees them."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from tests.e2e.conftest import run
+from tests.framework import host
+from tests.framework.server import ServerProcess
+
+
+def test_create_run_kill_leaves_nothing(api: httpx.Client, server: ServerProcess) -> None:
+    r = api.post("/sandboxes", json={"templateID": "base", "metadata": {"job": "t1"}, "envVars": {"FOO": "bar"}})
+    assert r.status_code == 201, r.text
+    body = r.json()
+    sid = body["sandboxID"]
+    assert sid.isalnum() and sid.islower() and "-" not in sid
+    assert body["templateID"] == "base" and body["envdAccessToken"]
+
+    out = run(api, sid, "echo hello $FOO; uname -r")
+    assert out["exitCode"] == 0
+    assert out["stdout"].splitlines()[0] == "hello bar"
+    assert "cloud-amd64" in out["stdout"]  # the guest's own kernel, not the host's
+
+    info = api.get(f"/sandboxes/{sid}").json()
+    assert info["state"] == "running" and info["metadata"] == {"job": "t1"}
+    assert info["cpuCount"] == 1 and info["memoryMB"] == 512
+    listed = api.get("/sandboxes", params={"metadata": "job=t1"}).json()
+    assert [s["sandboxID"] for s in listed] == [sid]
+    assert api.get("/sandboxes", params={"metadata": "job=other"}).json() == []
+    assert sid in {s["sandboxID"] for s in api.get("/sandboxes", params={"state": "running"}).json()}
+
+    pids = host.qemu_pids(sid)
+    assert len(pids) == 1
+    assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    assert api.get(f"/sandboxes/{sid}").status_code == 404
+    assert api.delete(f"/sandboxes/{sid}").status_code == 404
+    assert host.qemu_pids(sid) == set()
+    assert sid not in host.sandbox_dirs(server.data_dir)
+
+
+def test_each_sandbox_has_its_own_identity_and_clock(api: httpx.Client) -> None:
+    ids = [api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"] for _ in range(2)]
+    try:
+        seen = []
+        for sid in ids:
+            out = run(api, sid, "cat /run/e2b/.E2B_SANDBOX_ID; echo; cat /proc/sys/kernel/random/uuid; "
+                                "head -c 16 /dev/urandom | od -An -tx1; date +%s; echo $E2B_SANDBOX_ID")["stdout"].split("\n")
+            assert out[0] == sid
+            assert out[4] == sid
+            assert abs(int(out[3]) - time.time()) < 30, "the guest clock was not set after restore"
+            seen.append((out[1], out[2]))
+        assert seen[0][0] != seen[1][0] and seen[0][1] != seen[1][1], "two sandboxes share random state"
+    finally:
+        for sid in ids:
+            api.delete(f"/sandboxes/{sid}")
+
+
+def test_timeout_expiry_kills(api: httpx.Client, server: ServerProcess) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+    assert api.post(f"/sandboxes/{sid}/timeout", json={"timeout": 1}).status_code == 204
+    end = api.get(f"/sandboxes/{sid}").json()["endAt"]
+    assert end  # RFC 3339
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and api.get(f"/sandboxes/{sid}").status_code == 200:
+        time.sleep(0.2)
+    assert api.get(f"/sandboxes/{sid}").status_code == 404
+    assert host.qemu_pids(sid) == set()
+
+
+def test_create_with_short_timeout_expires(api: httpx.Client) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 2}).json()["sandboxID"]
+    assert api.get(f"/sandboxes/{sid}").status_code == 200
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and api.get(f"/sandboxes/{sid}").status_code == 200:
+        time.sleep(0.2)
+    assert api.get(f"/sandboxes/{sid}").status_code == 404
+
+
+def test_templates_and_health(api: httpx.Client, server: ServerProcess) -> None:
+    tmpl = api.get("/templates").json()
+    assert "base" in [t["templateID"] for t in tmpl]
+    assert httpx.get(server.url + "/health").status_code == 204
+    details = httpx.get(server.url + "/health/details").json()
+    assert details["accel"] in ("kvm", "tcg") and details["accelReason"]
+
+
+def test_bigger_shape_gets_its_own_snapshot(api: httpx.Client) -> None:
+    r = api.post("/sandboxes", json={"templateID": "base", "cpuCount": 2, "memoryMB": 768})
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    try:
+        out = run(api, sid, "nproc; awk '/MemTotal/ {print $2}' /proc/meminfo")["stdout"].split()
+        assert out[0] == "2"
+        assert 600_000 < int(out[1]) <= 768 * 1024
+    finally:
+        api.delete(f"/sandboxes/{sid}")

@@ -1,0 +1,45 @@
+"""A server restart loses nothing: sandboxes keep running and are re-adopted."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from tests.e2e.conftest import run
+from tests.framework import host
+from tests.framework.server import ServerProcess
+
+
+def test_restart_readopts_running_sandboxes(tmp_path: Path) -> None:
+    s = ServerProcess(tmp_path / "data", "10.216.18.0/24")
+    s.start()
+    try:
+        with s.client() as api:
+            keep = api.post("/sandboxes", json={"templateID": "base", "metadata": {"k": "v"}}).json()["sandboxID"]
+            doomed = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+            run(api, keep, "echo before > /home/user/state.txt; (sleep 1000 &) ; true")
+            (doomed_pid,) = host.qemu_pids(doomed)
+        # uvicorn re-raises the signal after its graceful shutdown, hence -SIGTERM.
+        assert s.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
+        assert "orchestrator stopped cleanly; 2 running sandboxes left" in s.log.read_text()
+        assert host.qemu_pids(keep), "SIGTERM must not kill sandboxes"
+        os.kill(doomed_pid, signal.SIGKILL)  # this one dies while the server is down
+        s.start()
+        with s.client() as api:
+            assert api.get(f"/sandboxes/{keep}").json()["state"] == "running"
+            assert api.get(f"/sandboxes/{keep}").json()["metadata"] == {"k": "v"}
+            assert run(api, keep, "cat /home/user/state.txt")["stdout"] == "before\n"
+            assert run(api, keep, "pgrep -c sleep")["stdout"].strip() == "1"
+            info = api.get(f"/sandboxes/{doomed}").json()
+            assert info["state"] == "error" and "gone" in info["error"]
+        # SIGKILL of the server: the same guarantees.
+        s.stop(signal.SIGKILL)
+        s.start()
+        with s.client() as api:
+            assert run(api, keep, "cat /home/user/state.txt")["stdout"] == "before\n"
+            assert api.delete(f"/sandboxes/{keep}").status_code == 204
+            assert api.delete(f"/sandboxes/{doomed}").status_code == 204
+        assert host.qemu_pids(keep) == set()
+    finally:
+        s.kill_all()
