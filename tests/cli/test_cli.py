@@ -190,10 +190,11 @@ def test_doctor_with_the_server_unreachable(aenv, closed_port):
 def test_doctor_shows_the_server_accel(aenv, stub):
     stub.on("GET", "/health", Answer(204))
     stub.on("GET", "/health/details", {"version": "0.1.0", "accel": "tcg", "accelReason": "no kvm",
-                                       "sandboxes": {"running": 2}})
+                                       "sandboxes": {"running": 2}, "poolReady": 1, "poolSize": 2})
     stub.on("GET", "/templates", [])
     checks = {c["check"]: c for c in json.loads(aenv("--url", stub.url, "doctor").stdout)}
     assert checks["server"]["status"] == "OK" and "accel tcg: no kvm" in checks["server"]["detail"]
+    assert "2 sandboxes; warm pool 1/2" in checks["server"]["detail"]
     assert checks["API key"]["status"] == "OK"
 
 

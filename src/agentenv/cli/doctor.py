@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 from rich.text import Text
@@ -102,6 +102,8 @@ def check_server(url: str, key: str | None) -> list[Check]:
         counts = details.get("sandboxes") or {}
         summary = (f"{url} is up (v{details.get('version', '?')}), accel {details.get('accel', '?')}: "
                    f"{details.get('accelReason', '')}; {sum(counts.values())} sandboxes")
+        if "poolSize" in details:
+            summary += f"; warm pool {details.get('poolReady', 0)}/{details['poolSize']}"
         checks = [Check("server", True, summary, required=False)]
         try:
             client.call("GET", "/templates")
@@ -136,7 +138,8 @@ def doctor(ctx: typer.Context, data_dir: DataDirOpt = None, output: OutputOption
     creds = credentials.resolve(g.url, g.key)
     checks = run_checks(settings, creds.url, creds.key)
     rows = [c.to_json() for c in checks]
-    render(choose_format(ctx, output), rows,
-           [Column("CHECK", lambda c: c["check"]), Column("STATUS", _status_cell), Column("DETAIL", lambda c: c["detail"], wrap=True)])
+    columns = [Column("CHECK", lambda c: c["check"]), Column("STATUS", _status_cell),
+               Column("DETAIL", lambda c: c["detail"], wrap=True)]
+    render(choose_format(ctx, output), rows, columns)
     if any(not c.ok and c.required for c in checks):
         raise typer.Exit(1)

@@ -18,7 +18,6 @@ from agentenv.cli.client import ApiClient, client_for
 from agentenv.cli.context import CliError
 from agentenv.cli.params import parse_pairs
 
-
 # `aenv exec ID ls -la` passes -la on to the command; only --help (not -h) is ours.
 CONTEXT = {"ignore_unknown_options": True, "help_option_names": ["--help"]}
 

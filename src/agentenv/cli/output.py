@@ -51,7 +51,8 @@ def choose_format(ctx: typer.Context, local: OutputFormat | None = None, *, isat
 
 
 def console(*, stderr: bool = False) -> Console:
-    return Console(stderr=stderr, highlight=False)
+    # soft_wrap: long lines (paths, messages) are left to the terminal, never broken by rich.
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
 def print_json(data: Any) -> None:
@@ -106,8 +107,7 @@ def status(message: str) -> contextlib.AbstractContextManager[Any]:
 @contextlib.contextmanager
 def transfer(label: str, total: int | None) -> Iterator[Callable[[int], None]]:
     """A byte progress bar on stderr (terminal only); yields ``advance(nbytes)``."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     err = console(stderr=True)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),

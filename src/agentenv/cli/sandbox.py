@@ -15,7 +15,16 @@ from rich.text import Text
 
 from agentenv.cli.client import client_for
 from agentenv.cli.context import CliError
-from agentenv.cli.output import Column, OutputOption, choose_format, console, explicit_format, print_json, render, status
+from agentenv.cli.output import (
+    Column,
+    OutputOption,
+    choose_format,
+    console,
+    explicit_format,
+    print_json,
+    render,
+    status,
+)
 from agentenv.cli.params import parse_pairs
 from agentenv.cli.shell import line_shell
 
@@ -168,7 +177,7 @@ def rm(
 
         with ThreadPoolExecutor(max_workers=8) as pool:
             failures = 0
-            for sid, problem in zip(ids, pool.map(kill, ids)):
+            for sid, problem in zip(ids, pool.map(kill, ids), strict=True):
                 if problem:
                     failures += 1
                     err.print(f"error: {problem}", markup=False)

@@ -67,13 +67,13 @@ def setup(
     done = 0
     summary = ""
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=out, transient=True) as progress:
+                  console=out, transient=True, disable=not out.is_terminal) as progress:
         task = progress.add_task(f"{STEPS[0]}…", total=None)
 
         def on_step(line: str) -> None:
             nonlocal done, summary
             if done < len(STEPS):
-                progress.console.print(f"[green]✓[/green] {escape(line)}")
+                out.print(f"[green]✓[/green] {escape(line)}")
                 if done + 1 < len(STEPS):
                     progress.reset(task, description=f"{STEPS[done + 1]}…")  # restarts the clock too
             else:
@@ -84,9 +84,9 @@ def setup(
             artifacts = provision(settings.cache, apt=not skip_apt, progress=on_step)
         except BaseException:
             if done < len(STEPS):
-                progress.console.print(f"[red]✗[/red] {STEPS[done]} failed")
+                out.print(f"[red]✗[/red] {STEPS[done]} failed")
             raise
     out.print(f"[bold]{escape(summary)}[/bold]")
-    out.print(f"kernel {escape(str(artifacts.kernel))}\ninitramfs {escape(str(artifacts.initramfs))}\n"
-              f"rootfs {escape(str(artifacts.rootfs))}", highlight=False)
+    for name, path in artifacts.to_json().items():
+        out.print(f"  {name:<9} {escape(path)}")
     out.print("next: `aenv serve` (as root), then `aenv doctor` to check the host", markup=False)
