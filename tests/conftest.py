@@ -42,7 +42,21 @@ def _sweep_stale_test_nodes() -> None:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def _other_pytest_running() -> bool:
+    me = os.getpid()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and int(p.name) != me:
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"pytest" in cmd and b"python" in cmd.split(b"\0")[0]:
+                return True
+    return False
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _clean_host() -> None:
-    if os.geteuid() == 0:
+    """Sweep only when no other test run is alive: its VMs are not stale."""
+    if os.geteuid() == 0 and not _other_pytest_running():
         _sweep_stale_test_nodes()

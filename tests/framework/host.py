@@ -5,20 +5,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from agentenv.bench.node import qemu_pids
 
-def qemu_pids(marker: str) -> set[int]:
-    """Pids of QEMU processes whose command line contains ``marker`` (a data dir or an id)."""
-    out = set()
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            cmd = (p / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if cmd.startswith(b"qemu-system") and marker.encode() in cmd:
-            out.add(int(p.name))
-    return out
+__all__ = ["qemu_pids", "netns_names", "sandbox_dirs"]
 
 
 def netns_names() -> set[str]:

@@ -62,6 +62,11 @@ class WarmPool:
                 await s.destroy(self._slots)
         self._shells.clear()
 
+    def fill_level(self) -> tuple[int, int]:
+        """(shells ready, shells wanted) over every hot snapshot."""
+        ready = sum(len(self._shells.get(k, [])) for k in self._hot)
+        return ready, self.size * len(self._hot)
+
     def ready(self, snapshot: TemplateSnapshot) -> int:
         return len(self._shells.get(snapshot.dir, []))
 

@@ -137,6 +137,7 @@ class Machine:
                 await asyncio.wait_for(self.wait_exit(), 5)
             except asyncio.TimeoutError as exc:
                 raise VmmError(f"QEMU {self.pid} did not exit after SIGKILL") from exc
+        self.spec.qmp_path.unlink(missing_ok=True)
 
     async def detach(self) -> None:
         """Drop our QMP connection and watcher but leave QEMU running (server shutdown)."""

@@ -28,5 +28,7 @@ async def health_details(request: Request) -> dict[str, object]:
         "accelForced": orch.accel.forced,
         "sandboxes": counts,
         "maxSandboxes": orch.settings.max_sandboxes,
+        "poolReady": orch.pool.fill_level()[0],
+        "poolSize": orch.pool.fill_level()[1],
         "templates": [t.name for t in orch.templates()],
     }

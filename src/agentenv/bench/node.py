@@ -1,0 +1,116 @@
+"""A throwaway AgentENV node: the real server as a subprocess with its own data dir, port and
+slot CIDR, reusing the provisioned kernel and images.
+
+``aenv bench`` measures against one; the tests use the same class, and stop it with SIGTERM or
+SIGKILL to exercise restart and re-adoption.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from agentenv.config import Settings
+from agentenv.images import artifacts_present
+
+CACHE = Path(os.environ.get("AENV_CACHE_DIR", "/var/lib/agentenv/cache"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def require_images(cache: Path) -> None:
+    if artifacts_present(cache) is None:
+        raise RuntimeError(f"no provisioned guest images in {cache}: run `aenv setup` (or scripts/install) first")
+
+
+class LocalNode:
+    def __init__(self, data_dir: Path, slot_cidr: str, cache: Path = CACHE, **env: str) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "AENV_DATA_DIR": str(data_dir),
+            "AENV_CACHE_DIR": str(cache),
+            "AENV_PORT": str(self.port),
+            "AENV_SLOT_CIDR": slot_cidr,
+            "AENV_POOL_SIZE": "1",
+            "AENV_SLOT_POOL_SIZE": "2",
+            **env,
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = data_dir.parent.with_name(data_dir.parent.name + "-server.log")
+
+    def start(self, timeout: float = 60.0) -> None:
+        require_images(Path(self.env["AENV_CACHE_DIR"]))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "agentenv.server"], env=self.env,
+                                     stdout=logf, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 204:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server did not answer within {timeout}s: {self.log.read_text()[-3000:]}")
+
+    @property
+    def api_key(self) -> str:
+        return (self.data_dir / "api_key").read_text().strip()
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=timeout)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.proc = None
+
+    def kill_all(self) -> None:
+        """Teardown: kill every sandbox through the API, stop the server, and remove the
+        node's host-wide leftovers (memory files on tmpfs, nft table, socket dir)."""
+        if self.proc is not None:
+            with self.client() as c:
+                for sb in c.get("/sandboxes").json():
+                    c.delete(f"/sandboxes/{sb['sandboxID']}")
+            self.stop()
+        settings = Settings(data_dir=self.data_dir)
+        shutil.rmtree(settings.mem_dir, ignore_errors=True)
+        shutil.rmtree(settings.sock_dir, ignore_errors=True)
+        subprocess.run(["nft", "delete", "table", "inet", f"aenv_{settings.instance_tag[:4]}"],
+                       capture_output=True)
+
+
+def qemu_pids(marker: str) -> set[int]:
+    """Pids of QEMU processes whose command line contains ``marker`` (a data dir or an id)."""
+    out = set()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmd.startswith(b"qemu-system") and marker.encode() in cmd:
+            out.add(int(p.name))
+    return out

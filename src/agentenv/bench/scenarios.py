@@ -1,0 +1,207 @@
+"""The benchmark scenarios.
+
+API-level figures (create, burst, exec) go through a real server started for the benchmark
+(``LocalNode``), as a user's requests would. Machine-level figures (cold boot, template
+snapshot) drive the VMM, network and envd mechanisms directly, since no API call cold-boots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from agentenv.bench.node import CACHE, LocalNode, qemu_pids
+from agentenv.bench.stats import summarize
+from agentenv.config import Settings
+from agentenv.envd_client import EnvdClient
+from agentenv.images import artifacts_present
+from agentenv.network import SlotPool, host_firewall_down, host_firewall_up
+from agentenv.orchestrator.templates import guest_link_spec
+from agentenv.storage import create_overlay, remove_tree
+from agentenv.vmm import Machine, MachineSpec, detect_accel
+
+BENCH_CIDR = "10.217.0.0/20"
+COLD_CIDR = "10.217.16.0/24"
+Report = dict[str, dict[str, float | int]]
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+# -- machine level: cold boot and template snapshot -------------------------------------------
+
+async def _cold_boots(runs: int, tmp: Path, cache: Path, accel_setting: str) -> dict[str, list[float]]:
+    """Cold boot to agent answer; template snapshot; and create-by-cold-boot (slot + overlay +
+    boot + agent init), the baseline that restore-from-snapshot is compared with."""
+    arts = artifacts_present(cache)
+    assert arts is not None, f"no provisioned images in {cache}; run `aenv setup`"
+    accel = detect_accel(accel_setting)
+    settings = Settings(data_dir=tmp / "cold")
+    slots = SlotPool(settings.instance_tag, COLD_CIDR, 0)
+    await host_firewall_up(settings.instance_tag, slots.ifprefix, COLD_CIDR)
+    out: dict[str, list[float]] = {"cold_boot_ms": [], "template_snapshot_ms": [], "create_coldboot_ms": []}
+    try:
+        for i in range(runs):
+            d = tmp / f"cold{i}"
+            t_create = time.perf_counter()
+            slot = await slots.acquire()
+            await create_overlay(d / "disk.qcow2", arts.rootfs, "raw")
+            spec = MachineSpec(name=f"bench-cold{i}", run_dir=d, sock_dir=settings.sock_dir, kernel=arts.kernel,
+                               initramfs=arts.initramfs, disk=d / "disk.qcow2",
+                               mem_path=settings.mem_dir / f"cold{i}.mem", memory_mb=512, vcpus=1,
+                               accel=accel, mem_share=True, netns=slot.netns, **guest_link_spec())
+            settings.mem_dir.mkdir(parents=True, exist_ok=True)
+            t_boot = time.perf_counter()
+            m = await Machine.launch(spec)
+            try:
+                async with EnvdClient(slot.guest_url) as envd:
+                    await envd.wait_healthy(300)
+                    out["cold_boot_ms"].append(_ms(t_boot))
+                    await envd.init(sandbox_id=f"cold{i}", template_id="base", env_vars={}, access_token=None)
+                    out["create_coldboot_ms"].append(_ms(t_create))
+                t_snap = time.perf_counter()
+                await m.save_template_state(d / "state")
+                out["template_snapshot_ms"].append(_ms(t_snap))
+            finally:
+                await m.kill()
+                await slots.release(slot)
+                spec.mem_path.unlink(missing_ok=True)
+                await remove_tree(d)
+    finally:
+        await host_firewall_down(settings.instance_tag)
+    return out
+
+
+# -- API level --------------------------------------------------------------------------------
+
+def _create(api: httpx.Client, **body: object) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    r = api.post("/sandboxes", json={"templateID": "base", **body})
+    dt = _ms(t0)
+    r.raise_for_status()
+    return r.json()["sandboxID"], dt
+
+
+def _wait_pool(node: LocalNode, api: httpx.Client, timeout: float = 60) -> None:
+    """Let the warm pool refill so each create measures the steady state, not a cold pool."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        d = httpx.get(node.url + "/health/details").json()
+        if d.get("poolReady", 0) >= d.get("poolSize", 0):
+            return
+        time.sleep(0.05)
+
+
+def bench_create(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
+    samples = []
+    for _ in range(runs):
+        _wait_pool(node, api)
+        sid, dt = _create(api)
+        samples.append(dt)
+        api.delete(f"/sandboxes/{sid}")
+    return {"create_ms": samples}
+
+
+def bench_burst16(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
+    samples = []
+    for _ in range(runs):
+        _wait_pool(node, api)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(16) as ex:
+            ids = [sid for sid, _ in ex.map(lambda _i: _create(api), range(16))]
+        samples.append(_ms(t0))
+        with ThreadPoolExecutor(8) as ex:
+            list(ex.map(lambda s: api.delete(f"/sandboxes/{s}"), ids))
+    return {"create_burst16_ms": samples}
+
+
+def bench_exec(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
+    sid, _ = _create(api)
+    try:
+        samples = []
+        for _ in range(max(runs, 20)):
+            t0 = time.perf_counter()
+            r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["true"]})
+            samples.append(_ms(t0))
+            r.raise_for_status()
+        # The guest's own cost of running `true` (fork + exec + wait), measured inside the guest.
+        script = ("import subprocess,time\nts=[]\nfor _ in range(20):\n t=time.perf_counter();"
+                  " subprocess.run(['true']); ts.append((time.perf_counter()-t)*1000)\nprint(*ts)")
+        r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["python3", "-c", script]})
+        guest = [float(x) for x in r.json()["stdout"].split()]
+        return {"exec_rtt_ms": samples, "guest_true_ms": guest}
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def _pss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    return 0
+
+
+def bench_idle_pss(node: LocalNode, api: httpx.Client, runs: int, count: int = 8) -> dict[str, list[float]]:
+    """Host PSS per idle sandbox of the 512 MiB template: ``count`` sandboxes, idle for 3 s,
+    the PSS of each QEMU process (shared template pages are split between them)."""
+    samples: list[float] = []
+    for _ in range(max(1, runs // 5)):
+        ids = [_create(api)[0] for _ in range(count)]
+        try:
+            time.sleep(3)
+            for sid in ids:
+                (pid,) = qemu_pids(sid)
+                samples.append(_pss_kb(pid) / 1024)
+        finally:
+            for sid in ids:
+                api.delete(f"/sandboxes/{sid}")
+    return {"idle_pss_mb": samples}
+
+
+SCENARIOS: dict[str, Callable[[LocalNode, httpx.Client, int], dict[str, list[float]]]] = {
+    "create_ms": bench_create,
+    "create_burst16_ms": bench_burst16,
+    "exec_rtt_ms": bench_exec,
+    "idle_pss_mb": bench_idle_pss,
+}
+MACHINE_LEVEL = ("cold_boot_ms", "template_snapshot_ms", "create_coldboot_ms")
+
+
+def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str = "auto") -> dict[str, object]:
+    """Run the selected scenarios; returns the JSON report of ``aenv bench --json``."""
+    metrics: Report = {}
+    accel_info = detect_accel(accel)
+    with tempfile.TemporaryDirectory(prefix="aenv-bench-") as tmpd:
+        tmp = Path(tmpd)
+        if only is None or only & set(MACHINE_LEVEL):
+            raw = asyncio.run(_cold_boots(min(runs, 5), tmp, cache, accel))
+            metrics.update({k: summarize(v) for k, v in raw.items() if only is None or k in only})
+        api_names = [n for n in SCENARIOS if only is None or n in only or
+                     (n == "exec_rtt_ms" and "guest_true_ms" in only)]
+        if api_names:
+            node = LocalNode(tmp / "node", BENCH_CIDR, cache, AENV_POOL_SIZE="2", AENV_ACCEL=accel,
+                             AENV_MAX_SANDBOXES="64")
+            node.start()
+            try:
+                with node.client() as api:
+                    _create(api)  # first create builds the template snapshot
+                    for sb in api.get("/sandboxes").json():
+                        api.delete(f"/sandboxes/{sb['sandboxID']}")
+                    for name in api_names:
+                        for k, v in SCENARIOS[name](node, api, runs).items():
+                            metrics[k] = summarize(v)
+            finally:
+                node.kill_all()
+    return {"accel": accel_info.accel, "accelReason": accel_info.reason,
+            "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
+                        "memoryGiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+            "metrics": metrics}

@@ -1,0 +1,15 @@
+"""min / median / p99 of a list of samples."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+
+def summarize(samples: list[float]) -> dict[str, float | int]:
+    if not samples:
+        return {"min": math.nan, "median": math.nan, "p99": math.nan, "runs": 0}
+    s = sorted(samples)
+    # Nearest-rank p99: with few runs it is the maximum, which is the honest reading.
+    p99 = s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
+    return {"min": round(s[0], 3), "median": round(statistics.median(s), 3), "p99": round(p99, 3), "runs": len(s)}
