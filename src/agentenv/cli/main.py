@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from agentenv.cli import auth, doctor, execute, files, sandbox, server, template
+from agentenv.cli import auth, bench, doctor, execute, files, sandbox, server, template
 from agentenv.cli.context import CliError, Globals
 from agentenv.cli.output import OutputFormat
 from agentenv.errors import AgentenvError
@@ -83,4 +83,4 @@ app.command("rm")(sandbox.rm)
 app.command("upload")(files.upload)
 app.command("download")(files.download)
 app.add_typer(template.app, name="template")
-# More commands register here, one line each, e.g. app.command("bench")(bench.bench).
+app.command("bench")(bench.bench)
