@@ -41,6 +41,7 @@ class Settings:
     boot_timeout_s: float = 120.0  # cold boot until the agent answers (TCG is slow)
     restore_timeout_s: float = 20.0  # restore until the agent answers
     tcg_tb_size_mb: int = 32  # TCG translation cache per VM; bounds host memory per sandbox
+    guest_aslr: bool = False  # under TCG, ASLR in the guest makes every exec 2-3x slower
     api_key: str | None = None  # overrides the generated key file
     faults: frozenset[str] = frozenset()  # injected fault points, for tests only (AENV_FAULTS)
 
@@ -63,6 +64,8 @@ class Settings:
             api_key=os.environ.get("AENV_API_KEY"),
             boot_timeout_s=float(_env("AENV_BOOT_TIMEOUT", str(d.boot_timeout_s))),
             restore_timeout_s=float(_env("AENV_RESTORE_TIMEOUT", str(d.restore_timeout_s))),
+            tcg_tb_size_mb=int(_env("AENV_TCG_TB_MB", str(d.tcg_tb_size_mb))),
+            guest_aslr=_env("AENV_GUEST_ASLR", "0") in ("1", "true", "on"),
             faults=frozenset(f for f in _env("AENV_FAULTS", "").split(",") if f),
         )
         s.validate()

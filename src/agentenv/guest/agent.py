@@ -64,6 +64,7 @@ RUN_DIR = os.environ.get("AENV_AGENT_RUN_DIR", "/run/e2b")
 NO_CLOCK = os.environ.get("AENV_AGENT_NO_CLOCK") == "1"
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SETPRIV = shutil.which("setpriv", path=DEFAULT_PATH)  # util-linux; None in images without it
 OUTPUT_CHUNK = 32 * 1024        # max payload of one process data event (envd uses 32 KiB)
 FILE_CHUNK = 1024 * 1024        # unit of disk and socket I/O for /files
 MAX_MESSAGE = 16 * 1024 * 1024  # max size of one RPC request message
@@ -617,13 +618,21 @@ class ProcessManager:
         env = {"PATH": os.environ.get("PATH", DEFAULT_PATH), "HOME": user.home, "USER": user.name,
                "LOGNAME": user.name, **self.agent.env_vars, **{str(k): str(v) for k, v in envs.items()}}
         kwargs: dict[str, Any] = {"cwd": cwd, "env": env, "bufsize": 0, "close_fds": True}
+        argv_prefix: list[str] = []
         if (user.uid, user.gid, set(user.groups)) == (os.geteuid(), os.getegid(), set(os.getgroups())):
             pass  # no switch needed; leaving user= unset also lets Popen use the much faster vfork
+        elif os.geteuid() == 0 and SETPRIV:
+            # setpriv switches user in the child's exec chain, so Popen can still vfork: a full
+            # fork of this (Python) process is several times slower, most of all under TCG.
+            if "/" not in cmd and shutil.which(cmd, path=env["PATH"]) is None:
+                raise ConnectError("internal", f"error starting process '{cmd}': no such executable")
+            groups = ",".join(str(g) for g in user.groups) or str(user.gid)
+            argv_prefix = [SETPRIV, f"--reuid={user.uid}", f"--regid={user.gid}", f"--groups={groups}", "--"]
         elif os.geteuid() == 0:
             kwargs.update(user=user.uid, group=user.gid, extra_groups=user.groups)
         else:
             raise ConnectError("permission_denied", "the agent is not root and cannot switch users")
-        argv, master, pty_cfg = [cmd, *args], None, msg.get("pty")
+        argv, master, pty_cfg = [*argv_prefix, cmd, *args], None, msg.get("pty")
         try:
             if isinstance(pty_cfg, dict):
                 master, slave = pty.openpty()

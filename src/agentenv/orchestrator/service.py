@@ -43,6 +43,7 @@ class Orchestrator:
             root=settings.data_dir / "templates", mem_dir=settings.mem_dir, sock_dir=settings.sock_dir,
             slots=self.slots,
             accel=self.accel, boot_timeout_s=settings.boot_timeout_s, tb_size_mb=settings.tcg_tb_size_mb,
+            guest_aslr=settings.guest_aslr,
         )
         self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots)
         self._live: dict[str, LiveSandbox] = {}
@@ -135,8 +136,10 @@ class Orchestrator:
         if active >= self.settings.max_sandboxes:
             raise CapacityExhausted(
                 f"this node runs its maximum of {self.settings.max_sandboxes} sandboxes; kill one or retry later")
+        t0 = time.perf_counter()
         snap = await self.snapshots.get(t, v, m)
         shell = self.pool.take(snap) or await self._make_shell(snap)
+        log.debug("create: shell after %.1f ms", (time.perf_counter() - t0) * 1e3)
         now = time.time()
         rec = SandboxRecord(
             id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
@@ -144,7 +147,7 @@ class Orchestrator:
             run_dir=str(shell.run_dir), metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
             slot_index=shell.slot.index,
         )
-        live = LiveSandbox(rec, shell.machine, shell.slot)
+        live = LiveSandbox(rec, shell.machine, shell.slot, shell.envd)
         self._live[rec.id] = live
         try:
             await self.store.put(rec)
@@ -159,28 +162,21 @@ class Orchestrator:
         return live.record
 
     async def _restore(self, live: LiveSandbox, shell: Shell) -> None:
-        machine = shell.machine
-        await machine.load_state(shell.snapshot.state, timeout=self.settings.restore_timeout_s)
-        if "hang_after_restore" in self.settings.faults:
-            await machine.qmp("stop")  # injected fault: a guest that never answers
-        envd = EnvdClient(shell.slot.guest_url, access_token=None)
-        live.envd = envd
-        try:
-            await envd.wait_healthy(self.settings.restore_timeout_s)
-            await envd.init(sandbox_id=live.id, template_id=live.record.template,
-                            env_vars=live.record.env_vars, access_token=live.record.access_token)
-        except EnvdError as exc:
-            raise GuestError(
-                f"sandbox {live.id}: the guest agent did not answer within "
-                f"{self.settings.restore_timeout_s:.0f}s after restore ({exc.message})") from exc
-        await envd.aclose()
-        live.envd = EnvdClient(shell.slot.guest_url, access_token=live.record.access_token)
+        t0 = time.perf_counter()
+        await shell.activate(template=live.record.template, env_vars=live.record.env_vars,
+                             access_token=live.record.access_token,
+                             timeout_s=self.settings.restore_timeout_s, faults=self.settings.faults)
+        t1 = time.perf_counter()
+        live.envd = shell.envd
         self._watch(live)
         await self._transition(live, State.RUNNING)
+        log.debug("activate %s: %.1f ms, then store %.1f ms", live.id, (t1 - t0) * 1e3,
+                  (time.perf_counter() - t1) * 1e3)
 
     async def _make_shell(self, snap: TemplateSnapshot) -> Shell:
-        return await make_shell(snap, sandboxes_dir=self.sandboxes_dir, sock_dir=self.settings.sock_dir, slots=self.slots,
-                                accel=self.accel, tb_size_mb=self.settings.tcg_tb_size_mb)
+        return await make_shell(snap, sandboxes_dir=self.sandboxes_dir, sock_dir=self.settings.sock_dir,
+                                slots=self.slots, accel=self.accel, tb_size_mb=self.settings.tcg_tb_size_mb,
+                                restore_timeout_s=self.settings.restore_timeout_s)
 
     # -- kill, timeout, failure -------------------------------------------------------------
 

@@ -1,17 +1,28 @@
-"""Restore shells: a QEMU process waiting in ``-incoming defer`` with its disk overlay and
-network slot ready, so that creating a sandbox is only "load device state + continue".
+"""Restore shells: a sandbox restored ahead of time and frozen, waiting to be handed out.
 
-A shell is made for one template snapshot and already carries the id of the sandbox it will
-become (its paths, QMP socket included, are named after it).
+Making a shell: slot + overlay + QEMU in ``-incoming defer`` → load the template's device state
+→ wait for the guest agent → ``/init`` once → QMP ``stop``. Handing it out (``activate``) is then
+only ``cont`` + ``/init`` with the sandbox's fresh clock, entropy, env vars and token.
+
+Why restore ahead and not only start QEMU ahead: under TCG a new QEMU process has an empty
+translation cache, and the first pass of the guest's network stack and agent through it costs
+hundreds of milliseconds. A primed shell has already paid that; while frozen it uses no CPU and
+its guest clock does not advance. The guest state it carries is the template's plus one health
+check, and the identity a sandbox sees (id, clock, random state) is applied at activation.
+
+A shell already carries the id of the sandbox it will become (its paths are named after it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentenv.envd_client import EnvdClient, EnvdError
+from agentenv.errors import GuestError
 from agentenv.network import Slot, SlotPool
 from agentenv.orchestrator.cleanup import Cleanup
 from agentenv.orchestrator.ids import new_sandbox_id
@@ -28,16 +39,36 @@ class Shell:
     slot: Slot
     machine: Machine
     snapshot: TemplateSnapshot
+    envd: EnvdClient
 
     async def destroy(self, slots: SlotPool) -> None:
+        await self.envd.aclose()
         await self.machine.kill()
         await slots.release(self.slot)
         await remove_tree(self.run_dir)
 
+    async def activate(self, *, template: str, env_vars: dict[str, str], access_token: str,
+                       timeout_s: float, faults: frozenset[str] = frozenset()) -> None:
+        """Unfreeze and give the guest its identity. Raises GuestError if the agent does not
+        answer within ``timeout_s``."""
+        await self.machine.qmp("cont")
+        if "hang_after_restore" in faults:
+            await self.machine.qmp("stop")  # injected fault: a guest that never answers
+        try:
+            await asyncio.wait_for(
+                self.envd.init(sandbox_id=self.sandbox_id, template_id=template, env_vars=env_vars,
+                               access_token=access_token),
+                timeout_s)
+        except (EnvdError, asyncio.TimeoutError) as exc:
+            why = exc.message if isinstance(exc, EnvdError) else "no answer"
+            raise GuestError(f"sandbox {self.sandbox_id}: the guest agent did not answer within "
+                             f"{timeout_s:.0f}s after restore ({why})") from exc
+
 
 async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_dir: Path, slots: SlotPool,
-                     accel: AccelInfo, tb_size_mb: int) -> Shell:
-    """Acquire slot, overlay and QEMU for one future sandbox; undo everything on failure."""
+                     accel: AccelInfo, tb_size_mb: int, restore_timeout_s: float) -> Shell:
+    """Acquire slot, overlay and QEMU for one future sandbox, restore it and freeze it; undo
+    everything on failure."""
     sandbox_id = new_sandbox_id()
     run_dir = sandboxes_dir / sandbox_id
     undo = Cleanup(f"shell {sandbox_id}")
@@ -60,8 +91,22 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
         machine = await Machine.launch(spec)
         undo.add("machine", machine.kill)
         await machine.prepare_incoming()
+        await machine.load_state(snapshot.state, timeout=restore_timeout_s)
+        envd = EnvdClient(slot.guest_url)
+        undo.add("envd", envd.aclose)
+        try:
+            await envd.wait_healthy(restore_timeout_s)
+            # The code paths of activation and of a first command, so that they are translated
+            # (TCG) and paged in before the sandbox is handed out.
+            await envd.init(sandbox_id=sandbox_id, template_id=snapshot.template, env_vars={}, access_token=None)
+            await envd.run(["true"])
+            await envd.run(["true"], user="root")
+        except EnvdError as exc:
+            raise GuestError(f"restored guest agent did not answer within {restore_timeout_s:.0f}s "
+                             f"({exc.message})") from exc
+        await machine.qmp("stop")
         undo.release()
-        return Shell(sandbox_id, run_dir, slot, machine, snapshot)
+        return Shell(sandbox_id, run_dir, slot, machine, snapshot, envd)
     except BaseException:
         await undo.unwind()
         raise

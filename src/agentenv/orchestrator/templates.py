@@ -8,6 +8,7 @@ sandbox of that shape is a restore, never a boot. See docs/mechanisms/snapshots.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -84,7 +85,8 @@ class SnapshotBuilder:
     """Makes (once) and finds the template snapshot of a (template, shape)."""
 
     def __init__(self, *, root: Path, mem_dir: Path, sock_dir: Path, slots: SlotPool, accel: AccelInfo,
-                 boot_timeout_s: float, tb_size_mb: int) -> None:
+                 boot_timeout_s: float, tb_size_mb: int, guest_aslr: bool = False) -> None:
+        self.guest_aslr = guest_aslr
         self.root = root
         self.sock_dir = sock_dir
         self.mem_dir = mem_dir
@@ -96,7 +98,11 @@ class SnapshotBuilder:
         self._cache: dict[tuple[str, int, int], TemplateSnapshot] = {}
 
     def snapshot_dir(self, t: Template, vcpus: int, memory_mb: int) -> Path:
-        return self.root / t.name / "snapshots" / f"{vcpus}cpu-{memory_mb}M-{t.artifacts.rootfs.stem}"
+        """Named after everything the boot depends on, so a change makes a new snapshot."""
+        key = hashlib.sha256(json.dumps([
+            t.artifacts.to_json(), self.accel.accel, self.guest_aslr,
+        ]).encode()).hexdigest()[:12]
+        return self.root / t.name / "snapshots" / f"{vcpus}cpu-{memory_mb}M-{key}"
 
     async def get(self, t: Template, vcpus: int, memory_mb: int) -> TemplateSnapshot:
         """The snapshot for this shape, building it on first use (concurrent callers wait)."""
@@ -133,7 +139,7 @@ class SnapshotBuilder:
                 name=f"tmpl-{t.name}", run_dir=d / "run", sock_dir=self.sock_dir, kernel=t.artifacts.kernel,
                 initramfs=t.artifacts.initramfs, disk=d / "disk.qcow2", mem_path=mem_file,
                 memory_mb=memory_mb, vcpus=vcpus, accel=self.accel, mem_share=True,
-                netns=slot.netns, tb_size_mb=self.tb_size_mb, **guest_link_spec(),
+                netns=slot.netns, tb_size_mb=self.tb_size_mb, guest_aslr=self.guest_aslr, **guest_link_spec(),
             )
             t0 = time.monotonic()
             machine = await Machine.launch(spec)

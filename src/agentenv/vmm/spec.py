@@ -34,6 +34,7 @@ class MachineSpec:
     guest_gw: str = ""
     tb_size_mb: int = 32
     kernel_args: tuple[str, ...] = field(default_factory=tuple)
+    guest_aslr: bool = False
 
     @property
     def qmp_path(self) -> Path:
@@ -54,7 +55,7 @@ def build_argv(spec: MachineSpec) -> list[str]:
     share = "on" if spec.mem_share else "off"
     append = " ".join(
         ["console=ttyS0", "panic=-1", "quiet", "loglevel=3", "random.trust_cpu=on",
-         f"aenv.ip={spec.guest_ip}", f"aenv.gw={spec.guest_gw}", *spec.accel.kernel_args(), *spec.kernel_args]
+         f"aenv.ip={spec.guest_ip}", f"aenv.gw={spec.guest_gw}", *spec.accel.kernel_args(spec.guest_aslr), *spec.kernel_args]
     )
     argv = [
         "qemu-system-x86_64",
