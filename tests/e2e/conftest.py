@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,3 +41,11 @@ def run(api: httpx.Client, sid: str, cmd: str | list[str], **kw: object) -> dict
     r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": cmd, **kw})
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
+
+
+def ns_addr(server: ServerProcess, sid: str) -> tuple[str, str]:
+    """(namespace, address) at which the host reaches this sandbox's guest."""
+    spec = json.loads((server.data_dir / "sandboxes" / sid / "machine.json").read_text())
+    ns = spec["netns"]
+    out = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True, text=True).stdout
+    return ns, out.split()[3].split("/")[0]

@@ -8,7 +8,8 @@ import os
 
 import httpx
 
-from tests.e2e.conftest import run
+from tests.e2e.conftest import ns_addr, run
+from tests.framework.server import ServerProcess
 
 
 def test_exec_exit_codes_streams_env_cwd_user(api: httpx.Client, sandbox: str) -> None:
@@ -56,3 +57,31 @@ def test_files_roundtrip_large_and_missing(api: httpx.Client, sandbox: str) -> N
     assert missing.status_code == 404 and "does not exist" in missing.json()["message"]
     run(api, sandbox, "echo written-inside > /tmp/in.txt")
     assert api.get(f"/sandboxes/{sandbox}/files", params={"path": "/tmp/in.txt"}).text == "written-inside\n"
+
+
+def test_agent_is_restarted_and_keeps_the_sandbox_state(api: httpx.Client, server: ServerProcess) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base", "envVars": {"KEEP": "me"}}).json()["sandboxID"]
+    token = api.get(f"/sandboxes/{sid}").json()["envdAccessToken"]
+    try:
+        old = run(api, sid, "pgrep -f /opt/agentenv/agent.py", user="root")["stdout"].split()
+        # Kill the agent from inside; the init restarts it. The command's stream ends with an
+        # error event, since the agent that ran it is gone.
+        r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "sleep 0.2; pkill -9 -f /opt/agentenv/agent.py",
+                                                      "user": "root", "stream": True}, timeout=10)
+        assert json.loads(r.text.splitlines()[-1])["type"] == "error"
+        import time
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "pgrep -f /opt/agentenv/agent.py; echo $KEEP"})
+            if r.status_code == 200 and r.json()["stdout"].split()[0] not in old:
+                break
+            time.sleep(0.5)
+        out = r.json()["stdout"].split()
+        assert out[0] not in old and out[-1] == "me"
+        # The restarted agent still requires the sandbox's access token.
+        _, addr = ns_addr(server, sid)
+        assert httpx.post(f"http://{addr}:49983/process.Process/List", json={}).status_code == 401
+        ok = httpx.post(f"http://{addr}:49983/process.Process/List", json={}, headers={"X-Access-Token": token})
+        assert ok.status_code == 200
+    finally:
+        api.delete(f"/sandboxes/{sid}")

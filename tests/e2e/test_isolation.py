@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import threading
 
 import httpx
 
-from tests.e2e.conftest import run
+from tests.e2e.conftest import ns_addr, run
 from tests.framework.server import ServerProcess
-
-
-def _ns_addr(server: ServerProcess, sid: str) -> tuple[str, str]:
-    spec = json.loads((server.data_dir / "sandboxes" / sid / "machine.json").read_text())
-    ns = spec["netns"]
-    out = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True, text=True).stdout
-    return ns, out.split()[3].split("/")[0]
 
 
 def test_sandboxes_are_isolated_from_each_other_and_the_host(api: httpx.Client, server: ServerProcess) -> None:
@@ -30,8 +22,8 @@ def test_sandboxes_are_isolated_from_each_other_and_the_host(api: httpx.Client, 
     accepted: list[object] = []
     threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
     try:
-        ns_a, _ = _ns_addr(server, a)
-        ns_b, addr_b = _ns_addr(server, b)
+        ns_a, _ = ns_addr(server, a)
+        ns_b, addr_b = ns_addr(server, b)
         assert ns_a != ns_b
         # Same guest address in both (the snapshot ABI), different namespaces.
         ips = [run(api, s, "ip -4 -o addr show eth0")["stdout"].split()[3] for s in (a, b)]

@@ -84,3 +84,7 @@ app.command("upload")(files.upload)
 app.command("download")(files.download)
 app.add_typer(template.app, name="template")
 app.command("bench")(bench.bench)
+
+
+if __name__ == "__main__":
+    app()

@@ -62,6 +62,9 @@ RUN_DIR = os.environ.get("AENV_AGENT_RUN_DIR", "/run/e2b")
 # Test-only switch: with AENV_AGENT_NO_CLOCK=1, /init does not set the wall clock. Only the test
 # suite sets it, because it runs the agent directly on the host, whose clock must not be touched.
 NO_CLOCK = os.environ.get("AENV_AGENT_NO_CLOCK") == "1"
+# What /init set, kept (root-only, on the guest's tmpfs) so that an agent restarted by the init
+# after a crash still enforces the access token and applies the sandbox's env vars.
+STATE_FILE = os.environ.get("AENV_AGENT_STATE", "/run/aenv-agent/state.json")
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SETPRIV = shutil.which("setpriv", path=DEFAULT_PATH)  # util-linux; None in images without it
@@ -928,6 +931,7 @@ class Agent:
         self.access_token: str | None = None
         self.default_user = "user" if lookup_user("user") else "root"
         self.default_workdir: str | None = None
+        self._load_state()
         self.umask = os.umask(0o022)
         os.umask(self.umask)
         self.procs = ProcessManager(self)
@@ -1068,7 +1072,33 @@ class Agent:
                 socket.sethostname(body["hostname"])
             except OSError as exc:
                 log(f"init: cannot set hostname: {exc}")
+        self._save_state()
         await resp.send(204)
+
+    def _load_state(self) -> None:
+        try:
+            with open(STATE_FILE) as f:
+                st = json.load(f)
+        except (OSError, ValueError):
+            return
+        self.env_vars = dict(st.get("envVars") or {})
+        self.access_token = st.get("accessToken")
+        self.default_user = st.get("defaultUser") or self.default_user
+        self.default_workdir = st.get("defaultWorkdir")
+        log("restored the sandbox state set by the last /init")
+
+    def _save_state(self) -> None:
+        st = {"envVars": self.env_vars, "accessToken": self.access_token,
+              "defaultUser": self.default_user, "defaultWorkdir": self.default_workdir}
+        try:
+            os.makedirs(os.path.dirname(STATE_FILE), mode=0o700, exist_ok=True)
+            tmp = STATE_FILE + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(st, f)
+            os.replace(tmp, STATE_FILE)
+        except OSError as exc:
+            log(f"init: cannot save the agent state: {exc}")
 
     @staticmethod
     def _add_entropy(data: bytes) -> None:

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from agentenv.api.models import ExecRequest, ExecResult
 from agentenv.api.routes.sandboxes import _orch
+from agentenv.envd_client import EnvdError
 
 router = APIRouter()
 
@@ -29,15 +30,19 @@ async def exec_command(sandbox_id: str, body: ExecRequest, request: Request) -> 
                                   timeout=_timeout(body.timeout))
 
         async def ndjson() -> AsyncIterator[bytes]:
-            async for ev in events:
-                d: dict[str, object] = {"type": ev.type}
-                if ev.type == "start":
-                    d["pid"] = ev.pid
-                elif ev.type in ("stdout", "stderr", "pty"):
-                    d["data"] = ev.data.decode(errors="replace")
-                elif ev.type == "end":
-                    d.update(exitCode=ev.exit_code, status=ev.status, error=ev.error)
-                yield json.dumps(d).encode() + b"\n"
+            try:
+                async for ev in events:
+                    d: dict[str, object] = {"type": ev.type}
+                    if ev.type == "start":
+                        d["pid"] = ev.pid
+                    elif ev.type in ("stdout", "stderr", "pty"):
+                        d["data"] = ev.data.decode(errors="replace")
+                    elif ev.type == "end":
+                        d.update(exitCode=ev.exit_code, status=ev.status, error=ev.error)
+                    yield json.dumps(d).encode() + b"\n"
+            except Exception as exc:  # noqa: BLE001 — the 200 is sent: report in the stream
+                msg = exc.message if isinstance(exc, EnvdError) else f"lost the guest agent: {exc!r}"
+                yield json.dumps({"type": "error", "message": msg}).encode() + b"\n"
 
         return StreamingResponse(ndjson(), media_type="application/x-ndjson")
     res = await orch.exec(sandbox_id, body.cmd, envs=body.envs, cwd=body.cwd, user=body.user,
