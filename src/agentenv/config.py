@@ -36,7 +36,7 @@ class Settings:
     max_memory_mb: int = 8192
     default_timeout_s: int = 300
     max_timeout_s: int = 24 * 3600
-    pool_size: int = 2  # warm restore shells kept per hot template
+    pool_size: int = 16  # restored, frozen sandboxes kept per hot template (a GRPO group's worth)
     slot_pool_size: int = 4  # network namespaces kept ready
     boot_timeout_s: float = 120.0  # cold boot until the agent answers (TCG is slow)
     restore_timeout_s: float = 20.0  # restore until the agent answers

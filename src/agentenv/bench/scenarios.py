@@ -188,7 +188,7 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
         api_names = [n for n in SCENARIOS if only is None or n in only or
                      (n == "exec_rtt_ms" and "guest_true_ms" in only)]
         if api_names:
-            node = LocalNode(tmp / "node", BENCH_CIDR, cache, AENV_POOL_SIZE="2", AENV_ACCEL=accel,
+            node = LocalNode(tmp / "node", BENCH_CIDR, cache, AENV_POOL_SIZE=str(Settings().pool_size), AENV_ACCEL=accel,
                              AENV_MAX_SANDBOXES="64")
             node.start()
             try:

@@ -22,8 +22,9 @@ ShellFactory = Callable[[TemplateSnapshot], Awaitable[Shell]]
 
 
 class WarmPool:
-    def __init__(self, size: int, factory: ShellFactory, slots: SlotPool) -> None:
+    def __init__(self, size: int, factory: ShellFactory, slots: SlotPool, fill_concurrency: int = 2) -> None:
         self.size = size
+        self.fill_concurrency = fill_concurrency
         self._factory = factory
         self._slots = slots
         self._shells: dict[Path, list[Shell]] = {}
@@ -84,13 +85,14 @@ class WarmPool:
             self._wake.clear()
             for key, snap in list(self._hot.items()):
                 shells = self._shells.setdefault(key, [])
-                while len(shells) < self.size:
-                    if not snap.mem_file.exists():
-                        break
-                    try:
-                        shells.append(await self._factory(snap))
-                    except Exception:  # noqa: BLE001 — background: log, retry later
-                        log.exception("warm pool could not make a shell for %s", key)
+                while len(shells) < self.size and snap.mem_file.exists():
+                    batch = min(self.fill_concurrency, self.size - len(shells))
+                    results = await asyncio.gather(*(self._factory(snap) for _ in range(batch)),
+                                                   return_exceptions=True)
+                    failed = [r for r in results if isinstance(r, BaseException)]
+                    shells.extend(r for r in results if isinstance(r, Shell))
+                    if failed:
+                        log.error("warm pool could not make a shell for %s: %r", key, failed[0])
                         await asyncio.sleep(1.0)
                         self._wake.set()
                         break

@@ -138,7 +138,7 @@ class Orchestrator:
                 f"this node runs its maximum of {self.settings.max_sandboxes} sandboxes; kill one or retry later")
         t0 = time.perf_counter()
         snap = await self.snapshots.get(t, v, m)
-        shell = self.pool.take(snap) or await self._make_shell(snap)
+        shell = self.pool.take(snap) or await self._make_shell(snap, prime=False)
         log.debug("create: shell after %.1f ms", (time.perf_counter() - t0) * 1e3)
         now = time.time()
         rec = SandboxRecord(
@@ -173,10 +173,10 @@ class Orchestrator:
         log.debug("activate %s: %.1f ms, then store %.1f ms", live.id, (t1 - t0) * 1e3,
                   (time.perf_counter() - t1) * 1e3)
 
-    async def _make_shell(self, snap: TemplateSnapshot) -> Shell:
+    async def _make_shell(self, snap: TemplateSnapshot, prime: bool = True) -> Shell:
         return await make_shell(snap, sandboxes_dir=self.sandboxes_dir, sock_dir=self.settings.sock_dir,
                                 slots=self.slots, accel=self.accel, tb_size_mb=self.settings.tcg_tb_size_mb,
-                                restore_timeout_s=self.settings.restore_timeout_s)
+                                restore_timeout_s=self.settings.restore_timeout_s, prime=prime)
 
     # -- kill, timeout, failure -------------------------------------------------------------
 

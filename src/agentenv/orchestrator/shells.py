@@ -40,6 +40,7 @@ class Shell:
     machine: Machine
     snapshot: TemplateSnapshot
     envd: EnvdClient
+    frozen: bool = True  # primed and stopped (pool) or already running (made inline)
 
     async def destroy(self, slots: SlotPool) -> None:
         await self.envd.aclose()
@@ -51,10 +52,13 @@ class Shell:
                        timeout_s: float, faults: frozenset[str] = frozenset()) -> None:
         """Unfreeze and give the guest its identity. Raises GuestError if the agent does not
         answer within ``timeout_s``."""
-        await self.machine.qmp("cont")
+        if self.frozen:
+            await self.machine.qmp("cont")
         if "hang_after_restore" in faults:
             await self.machine.qmp("stop")  # injected fault: a guest that never answers
         try:
+            if not self.frozen:
+                await self.envd.wait_healthy(timeout_s)
             await asyncio.wait_for(
                 self.envd.init(sandbox_id=self.sandbox_id, template_id=template, env_vars=env_vars,
                                access_token=access_token),
@@ -66,9 +70,10 @@ class Shell:
 
 
 async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_dir: Path, slots: SlotPool,
-                     accel: AccelInfo, tb_size_mb: int, restore_timeout_s: float) -> Shell:
-    """Acquire slot, overlay and QEMU for one future sandbox, restore it and freeze it; undo
-    everything on failure."""
+                     accel: AccelInfo, tb_size_mb: int, restore_timeout_s: float, prime: bool = True) -> Shell:
+    """Acquire slot, overlay and QEMU for one future sandbox and restore it; undo everything on
+    failure. ``prime`` (pool shells) also warms the activation and command paths and freezes
+    it; a shell made inline for a waiting create skips that and is handed out running."""
     sandbox_id = new_sandbox_id()
     run_dir = sandboxes_dir / sandbox_id
     undo = Cleanup(f"shell {sandbox_id}")
@@ -94,6 +99,9 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
         await machine.load_state(snapshot.state, timeout=restore_timeout_s)
         envd = EnvdClient(slot.guest_url)
         undo.add("envd", envd.aclose)
+        if not prime:
+            undo.release()
+            return Shell(sandbox_id, run_dir, slot, machine, snapshot, envd, frozen=False)
         try:
             await envd.wait_healthy(restore_timeout_s)
             # The code paths of activation and of a first command, so that they are translated
