@@ -47,10 +47,6 @@ async def recover(orch: Orchestrator) -> None:
         if rec.slot_index is not None:
             orch.slots.mark_used(rec.slot_index)
             live.slot = orch.slots.slot(rec.slot_index)
-        if rec.state == State.CREATING:
-            await _kill_leftover(Path(rec.run_dir))
-            await orch._fail(live, "the server stopped while this sandbox was being created")
-            continue
         try:
             spec = spec_from_json(json.loads((Path(rec.run_dir) / "machine.json").read_text()))
             live.machine = await Machine.adopt(spec)

@@ -150,7 +150,8 @@ class Orchestrator:
         live = LiveSandbox(rec, shell.machine, shell.slot, shell.envd)
         self._live[rec.id] = live
         try:
-            await self.store.put(rec)
+            # Not persisted while creating: if the server dies now, the run dir has no record
+            # and recovery kills its QEMU and removes it; the caller got no answer and retries.
             await self._restore(live, shell)
         except BaseException as exc:
             reason = exc.message if isinstance(exc, PlatformError) else f"create failed: {exc!r}"
