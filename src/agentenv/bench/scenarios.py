@@ -125,7 +125,9 @@ def bench_burst16(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, li
 
 
 def bench_exec(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
+    _wait_pool(node, api)
     sid, _ = _create(api)
+    _wait_pool(node, api)  # measure without the pool refilling on the other core
     try:
         samples = []
         for _ in range(max(runs, 20)):
@@ -150,21 +152,38 @@ def _pss_kb(pid: int) -> int:
     return 0
 
 
+def _guest_ram_pss_kb(pid: int) -> int:
+    """PSS of the guest-RAM mapping alone (the template's memory file): what the guest itself
+    costs, without QEMU's own heap and, under TCG, its translation cache."""
+    total, in_ram = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+            in_ram = len(head) >= 6 and head[5].endswith(".mem")
+        elif in_ram and line.startswith("Pss:"):
+            total += int(head[1])
+    return total
+
+
 def bench_idle_pss(node: LocalNode, api: httpx.Client, runs: int, count: int = 8) -> dict[str, list[float]]:
     """Host PSS per idle sandbox of the 512 MiB template: ``count`` sandboxes, idle for 3 s,
     the PSS of each QEMU process (shared template pages are split between them)."""
     samples: list[float] = []
+    guest: list[float] = []
     for _ in range(max(1, runs // 5)):
+        _wait_pool(node, api)
         ids = [_create(api)[0] for _ in range(count)]
         try:
+            _wait_pool(node, api)
             time.sleep(3)
             for sid in ids:
                 (pid,) = qemu_pids(sid)
                 samples.append(_pss_kb(pid) / 1024)
+                guest.append(_guest_ram_pss_kb(pid) / 1024)
         finally:
             for sid in ids:
                 api.delete(f"/sandboxes/{sid}")
-    return {"idle_pss_mb": samples}
+    return {"idle_pss_mb": samples, "idle_guest_ram_pss_mb": guest}
 
 
 SCENARIOS: dict[str, Callable[[LocalNode, httpx.Client, int], dict[str, list[float]]]] = {
