@@ -171,7 +171,7 @@ class Orchestrator:
         live.envd = shell.envd
         self._watch(live)
         await self._transition(live, State.RUNNING)
-        log.debug("activate %s: %.1f ms, then store %.1f ms", live.id, (t1 - t0) * 1e3,
+        log.debug("activate %s: %.1f ms (cont %.1f), then store %.1f ms", live.id, (t1 - t0) * 1e3, shell.cont_ms,
                   (time.perf_counter() - t1) * 1e3)
 
     async def _make_shell(self, snap: TemplateSnapshot, prime: bool = True) -> Shell:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +53,10 @@ class Shell:
                        timeout_s: float, faults: frozenset[str] = frozenset()) -> None:
         """Unfreeze and give the guest its identity. Raises GuestError if the agent does not
         answer within ``timeout_s``."""
+        t0 = time.perf_counter()
         if self.frozen:
             await self.machine.qmp("cont")
+        self.cont_ms = (time.perf_counter() - t0) * 1000
         if "hang_after_restore" in faults:
             await self.machine.qmp("stop")  # injected fault: a guest that never answers
         try:
