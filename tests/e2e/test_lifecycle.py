@@ -97,3 +97,12 @@ def test_bigger_shape_gets_its_own_snapshot(api: httpx.Client) -> None:
         assert 600_000 < int(out[1]) <= 768 * 1024
     finally:
         api.delete(f"/sandboxes/{sid}")
+
+
+def test_openapi_document_is_served(server: ServerProcess) -> None:
+    doc = httpx.get(server.url + "/openapi.json").json()
+    paths = doc["paths"]
+    for p in ("/sandboxes", "/sandboxes/{sandbox_id}", "/sandboxes/{sandbox_id}/timeout",
+              "/sandboxes/{sandbox_id}/exec", "/sandboxes/{sandbox_id}/files", "/templates", "/health"):
+        assert p in paths, p
+    assert "post" in paths["/sandboxes"] and "delete" in paths["/sandboxes/{sandbox_id}"]
