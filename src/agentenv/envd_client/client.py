@@ -268,6 +268,16 @@ class EnvdClient:
             raise _error_from_body(resp.status_code, resp.content)
         self.access_token = access_token
 
+    async def resume(self, env_vars: dict[str, str] | None = None) -> None:
+        """``POST /init`` with the current clock (and env vars) only: for a guest that already
+        has its identity and was frozen since (a primed warm-pool sandbox)."""
+        body: dict[str, Any] = {"timestamp": time.time()}
+        if env_vars:
+            body["envVars"] = env_vars
+        resp = await self._request("POST", "/init", json=body, headers=self._headers())
+        if not 200 <= resp.status_code < 300:
+            raise _error_from_body(resp.status_code, resp.content)
+
     # ---- processes --------------------------------------------------------------------------
 
     async def stream(self, cmd: str | list[str], *, envs: dict[str, str] | None = None,

@@ -931,6 +931,8 @@ class Agent:
         self.access_token: str | None = None
         self.default_user = "user" if lookup_user("user") else "root"
         self.default_workdir: str | None = None
+        self._markers: dict[str, str] = {}
+        self._saved_state: dict | None = None
         self._load_state()
         self.umask = os.umask(0o022)
         os.umask(self.umask)
@@ -1060,11 +1062,14 @@ class Agent:
             if value:
                 self.env_vars[env_name] = str(value)
         try:
-            os.makedirs(RUN_DIR, exist_ok=True)
             for file_name, value in markers.items():
-                if value:
+                # Only what changed: /init is on the create path, and every file operation
+                # is slow under emulation.
+                if value and self._markers.get(file_name) != str(value):
+                    os.makedirs(RUN_DIR, exist_ok=True)
                     with open(os.path.join(RUN_DIR, file_name), "w") as f:
                         f.write(str(value))
+                    self._markers[file_name] = str(value)
         except OSError as exc:
             log(f"init: cannot write {RUN_DIR}: {exc}")
         if body.get("hostname"):
@@ -1088,8 +1093,11 @@ class Agent:
         log("restored the sandbox state set by the last /init")
 
     def _save_state(self) -> None:
-        st = {"envVars": self.env_vars, "accessToken": self.access_token,
+        st = {"envVars": dict(self.env_vars), "accessToken": self.access_token,
               "defaultUser": self.default_user, "defaultWorkdir": self.default_workdir}
+        if st == self._saved_state:
+            return
+        self._saved_state = st
         try:
             os.makedirs(os.path.dirname(STATE_FILE), mode=0o700, exist_ok=True)
             tmp = STATE_FILE + ".tmp"

@@ -18,7 +18,6 @@ from agentenv.errors import (
     CapacityExhausted, GuestError, InvalidRequest, PlatformError, SandboxNotFound, SandboxStateError,
 )
 from agentenv.network import SlotPool, host_firewall_down, host_firewall_up
-from agentenv.orchestrator.ids import new_access_token
 from agentenv.orchestrator.lifecycle import State, allowed
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.sandbox import LiveSandbox
@@ -143,7 +142,7 @@ class Orchestrator:
         now = time.time()
         rec = SandboxRecord(
             id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
-            disk_mb=t.disk_mb, started_at=now, end_at=now + timeout, access_token=new_access_token(),
+            disk_mb=t.disk_mb, started_at=now, end_at=now + timeout, access_token=shell.access_token,
             run_dir=str(shell.run_dir), metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
             slot_index=shell.slot.index,
         )
@@ -165,7 +164,6 @@ class Orchestrator:
     async def _restore(self, live: LiveSandbox, shell: Shell) -> None:
         t0 = time.perf_counter()
         await shell.activate(template=live.record.template, env_vars=live.record.env_vars,
-                             access_token=live.record.access_token,
                              timeout_s=self.settings.restore_timeout_s, faults=self.settings.faults)
         t1 = time.perf_counter()
         live.envd = shell.envd

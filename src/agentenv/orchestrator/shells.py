@@ -26,7 +26,7 @@ from agentenv.envd_client import EnvdClient, EnvdError
 from agentenv.errors import GuestError
 from agentenv.network import Slot, SlotPool
 from agentenv.orchestrator.cleanup import Cleanup
-from agentenv.orchestrator.ids import new_sandbox_id
+from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
 from agentenv.orchestrator.templates import guest_link_spec
 from agentenv.storage import TemplateSnapshot, create_overlay, remove_tree
 from agentenv.vmm import AccelInfo, Machine, MachineSpec
@@ -41,6 +41,7 @@ class Shell:
     machine: Machine
     snapshot: TemplateSnapshot
     envd: EnvdClient
+    access_token: str
     frozen: bool = True  # primed and stopped (pool) or already running (made inline)
 
     async def destroy(self, slots: SlotPool) -> None:
@@ -49,10 +50,12 @@ class Shell:
         await slots.release(self.slot)
         await remove_tree(self.run_dir)
 
-    async def activate(self, *, template: str, env_vars: dict[str, str], access_token: str,
-                       timeout_s: float, faults: frozenset[str] = frozenset()) -> None:
-        """Unfreeze and give the guest its identity. Raises GuestError if the agent does not
-        answer within ``timeout_s``."""
+    async def activate(self, *, template: str, env_vars: dict[str, str], timeout_s: float,
+                       faults: frozenset[str] = frozenset()) -> None:
+        """Unfreeze and bring the guest up to date: a primed shell already has its identity
+        (id, entropy, token) and only needs the clock (it stood still while frozen) and the
+        create's env vars; an inline shell gets everything now. Raises GuestError if the agent
+        does not answer within ``timeout_s``."""
         t0 = time.perf_counter()
         if self.frozen:
             await self.machine.qmp("cont")
@@ -60,12 +63,14 @@ class Shell:
         if "hang_after_restore" in faults:
             await self.machine.qmp("stop")  # injected fault: a guest that never answers
         try:
-            if not self.frozen:
+            if self.frozen:
+                await asyncio.wait_for(self.envd.resume(env_vars), timeout_s)
+            else:
                 await self.envd.wait_healthy(timeout_s)
-            await asyncio.wait_for(
-                self.envd.init(sandbox_id=self.sandbox_id, template_id=template, env_vars=env_vars,
-                               access_token=access_token),
-                timeout_s)
+                await asyncio.wait_for(
+                    self.envd.init(sandbox_id=self.sandbox_id, template_id=template, env_vars=env_vars,
+                                   access_token=self.access_token),
+                    timeout_s)
         except (EnvdError, asyncio.TimeoutError) as exc:
             why = exc.message if isinstance(exc, EnvdError) else "no answer"
             raise GuestError(f"sandbox {self.sandbox_id}: the guest agent did not answer within "
@@ -102,14 +107,17 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
         await machine.load_state(snapshot.state, timeout=restore_timeout_s)
         envd = EnvdClient(slot.guest_url)
         undo.add("envd", envd.aclose)
+        token = new_access_token()
         if not prime:
             undo.release()
-            return Shell(sandbox_id, run_dir, slot, machine, snapshot, envd, frozen=False)
+            return Shell(sandbox_id, run_dir, slot, machine, snapshot, envd, token, frozen=False)
         try:
             await envd.wait_healthy(restore_timeout_s)
             # The code paths of activation and of a first command, so that they are translated
             # (TCG) and paged in before the sandbox is handed out.
-            await envd.init(sandbox_id=sandbox_id, template_id=snapshot.template, env_vars={}, access_token=None)
+            # The sandbox's identity: this shell is one VM of its own, so its entropy and
+            # token are as fresh now as at activation (the clock is set again then).
+            await envd.init(sandbox_id=sandbox_id, template_id=snapshot.template, env_vars={}, access_token=token)
             await envd.run(["true"])
             await envd.run(["true"], user="root")
         except EnvdError as exc:
@@ -117,7 +125,7 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
                              f"({exc.message})") from exc
         await machine.qmp("stop")
         undo.release()
-        return Shell(sandbox_id, run_dir, slot, machine, snapshot, envd)
+        return Shell(sandbox_id, run_dir, slot, machine, snapshot, envd, token)
     except BaseException:
         await undo.unwind()
         raise
