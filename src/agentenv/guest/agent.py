@@ -674,6 +674,14 @@ class ProcessManager:
         getter: asyncio.Future | None = None
         try:
             while True:
+                if getter is None and not sub.queue.empty():
+                    # Fast path: the event is already there; no future, no timer (each costs
+                    # measurable time when the guest is emulated).
+                    event = sub.queue.get_nowait()
+                    yield {"event": event}
+                    if "end" in event:
+                        return
+                    continue
                 getter = getter or asyncio.ensure_future(sub.queue.get())
                 wait = ctx.keepalive
                 if deadline is not None:
