@@ -43,3 +43,26 @@ def test_restart_readopts_running_sandboxes(tmp_path: Path) -> None:
         assert host.qemu_pids(keep) == set()
     finally:
         s.kill_all()
+
+
+def test_stop_while_the_pool_fills_leaves_no_process(tmp_path: Path) -> None:
+    """SIGTERM lands while warm-pool sandboxes are being restored: none may survive it."""
+    import time
+
+    import httpx
+
+    s = ServerProcess(tmp_path / "data", "10.216.19.0/24", AENV_POOL_SIZE="4")
+    s.start()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            d = httpx.get(s.url + "/health/details").json()
+            if d["poolSize"] and d["poolReady"] >= 1:
+                break
+            time.sleep(0.05)
+        assert d["poolReady"] < d["poolSize"], "the pool filled before the stop; the test saw nothing"
+        s.stop(signal.SIGTERM)
+        assert host.qemu_pids(str(s.data_dir) + "/") == set()
+        assert host.sandbox_dirs(s.data_dir) == set()
+    finally:
+        s.kill_all()

@@ -20,6 +20,7 @@ import httpx
 
 from agentenv.config import Settings
 from agentenv.images import artifacts_present
+from agentenv.vmm import find_qemu_pids
 
 CACHE = Path(os.environ.get("AENV_CACHE_DIR", "/var/lib/agentenv/cache"))
 
@@ -103,14 +104,4 @@ class LocalNode:
 
 def qemu_pids(marker: str) -> set[int]:
     """Pids of QEMU processes whose command line contains ``marker`` (a data dir or an id)."""
-    out = set()
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            cmd = (p / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if cmd.startswith(b"qemu-system") and marker.encode() in cmd:
-            out.add(int(p.name))
-    return out
+    return set(find_qemu_pids(marker))

@@ -18,7 +18,7 @@ from agentenv.errors import VmmError
 from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.sandbox import LiveSandbox
 from agentenv.storage import remove_tree
-from agentenv.vmm import Machine
+from agentenv.vmm import Machine, find_qemu_pids, kill_pid
 from agentenv.vmm.spec import spec_from_json
 
 if TYPE_CHECKING:
@@ -63,6 +63,12 @@ async def recover(orch: Orchestrator) -> None:
             if d.name not in owned:
                 await _kill_leftover(d)
                 await remove_tree(d)
+    # QEMU processes of this node that nothing owns any more (a launch or a template boot cut
+    # short by a crash or a stop): sandboxes' and templates' alike live under the data dir.
+    for pid, name in find_qemu_pids(str(orch.settings.data_dir) + "/").items():
+        if name not in owned:
+            log.warning("killing QEMU %d (%s) that no sandbox owns", pid, name)
+            kill_pid(pid)
     keep = {r.record.slot_index for r in orch._live.values() if r.record.slot_index is not None}
     removed = await orch.slots.remove_orphans({k for k in keep if k is not None})
     if removed:

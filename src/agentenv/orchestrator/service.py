@@ -58,6 +58,7 @@ class Orchestrator:
         await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr)
         await recover(self)
         self.pool.start()
+        self._tasks.append(asyncio.create_task(self._prepare_templates(), name="prepare-templates"))
         self._tasks.append(asyncio.create_task(self._reaper(), name="ttl-reaper"))
         self._tasks.append(asyncio.create_task(self._slot_keeper(), name="slot-keeper"))
 
@@ -265,6 +266,15 @@ class Orchestrator:
                         await self.kill(live.id)
                     except Exception:  # noqa: BLE001 — background
                         log.exception("reaper could not kill %s", live.id)
+
+    async def _prepare_templates(self) -> None:
+        """Snapshot every template in its default shape and fill its pool, in the background,
+        so that the first create after a start is as fast as the next ones."""
+        for t in self.catalog.list():
+            try:
+                self.pool.warm(await self.snapshots.get(t, t.vcpus, t.memory_mb))
+            except Exception:  # noqa: BLE001 — background; a create will report the error
+                log.exception("could not prepare template %s", t.name)
 
     async def _slot_keeper(self) -> None:
         while True:

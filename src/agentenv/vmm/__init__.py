@@ -6,6 +6,6 @@ and numbers) and returns a running ``Machine``. See docs/mechanisms/machines.md.
 
 from agentenv.vmm.accel import detect_accel, AccelInfo
 from agentenv.vmm.spec import MachineSpec
-from agentenv.vmm.machine import Machine, VmLaunchFailed
+from agentenv.vmm.machine import Machine, VmLaunchFailed, find_qemu_pids, kill_pid
 
-__all__ = ["Machine", "MachineSpec", "detect_accel", "AccelInfo", "VmLaunchFailed"]
+__all__ = ["Machine", "MachineSpec", "detect_accel", "AccelInfo", "VmLaunchFailed", "find_qemu_pids", "kill_pid"]

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,8 +21,7 @@ from typing import Any
 from qemu.qmp import QMPClient
 from qemu.qmp.error import QMPError
 
-from agentenv.errors import ExternalCommandError, VmmError
-from agentenv.proc import run
+from agentenv.errors import VmmError
 from agentenv.vmm.spec import MachineSpec, build_argv
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,17 @@ class Machine:
         argv = build_argv(spec) + ["-display", "none", "-daemonize", "-pidfile", str(pidfile)]
         # -nographic conflicts with -daemonize; -display none is its equivalent here.
         argv.remove("-nographic")
+        launcher = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
-            await run(argv)
-        except ExternalCommandError as exc:
-            raise VmLaunchFailed(argv, exc.output) from exc
+            out, _ = await launcher.communicate()
+        except asyncio.CancelledError:
+            # The launcher goes on and may still daemonize a QEMU: wait for it, kill what it
+            # started, then let the cancellation through. Nothing is left running.
+            await asyncio.shield(_abandon_launch(launcher, pidfile))
+            raise
+        if launcher.returncode != 0:
+            raise VmLaunchFailed(argv, out.decode(errors="replace"))
         pid = int(pidfile.read_text().strip())
         return await cls._connect(spec, pid)
 
@@ -206,6 +213,36 @@ class Machine:
             await self.qmp("cont")
         elif st != "running":
             raise VmmError(f"{self.spec.name} is {st} after loading its state")
+
+
+async def _abandon_launch(launcher: asyncio.subprocess.Process, pidfile: Path) -> None:
+    await launcher.wait()
+    try:
+        _kill_pid(int(pidfile.read_text().strip()))
+    except (OSError, ValueError):
+        pass
+
+
+def find_qemu_pids(marker: str) -> dict[int, str]:
+    """QEMU processes whose command line contains ``marker``: pid → the ``-name`` they run as.
+    Recovery uses it to find machines that no record and no run dir owns any more."""
+    out: dict[int, str] = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            args = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"qemu-system-x86_64") and marker.encode() in b" ".join(args):
+            name = args[args.index(b"-name") + 1].decode() if b"-name" in args else ""
+            out[int(p.name)] = name
+    return out
+
+
+def kill_pid(pid: int) -> None:
+    """SIGKILL, ignoring a process that is already gone."""
+    _kill_pid(pid)
 
 
 def _kill_pid(pid: int) -> None:
