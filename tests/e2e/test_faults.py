@@ -39,10 +39,12 @@ def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: 
 
 @pytest.fixture(scope="module")
 def small_disk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A node whose data dir is a 96 MiB tmpfs, with no warm pool and room for 2 sandboxes."""
+    """A node whose data dir is a 96 MiB tmpfs, with no warm pool, no ready network slots (so
+    every namespace it has belongs to a sandbox) and room for 2 sandboxes."""
     mnt = tmp_path_factory.mktemp("smalldisk")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(mnt)], check=True)
-    s = ServerProcess(mnt / "data", "10.216.16.0/24", AENV_POOL_SIZE="0", AENV_MAX_SANDBOXES="2")
+    s = ServerProcess(mnt / "data", "10.216.16.0/24", AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
+                      AENV_MAX_SANDBOXES="2")
     try:
         s.start()
         yield s
@@ -69,14 +71,14 @@ def test_disk_full_while_creating_leaves_nothing(small_disk_server: ServerProces
     data = small_disk_server.data_dir
     with small_disk_server.client() as api:
         first = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
-        before = (host.sandbox_dirs(data), host.qemu_pids(str(data)), host.netns_names())
+        before = (host.sandbox_dirs(data), host.qemu_pids(str(data)), host.node_netns(data))
         filler = data / "filler"
         subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=200"], capture_output=True)
         try:
             r = api.post("/sandboxes", json={"templateID": "base"})
             assert r.status_code == 507, r.text
             assert "space" in r.json()["message"]
-            after = (host.sandbox_dirs(data), host.qemu_pids(str(data)), host.netns_names())
+            after = (host.sandbox_dirs(data), host.qemu_pids(str(data)), host.node_netns(data))
             assert after == before
             assert [s["sandboxID"] for s in api.get("/sandboxes").json()] == [first]
         finally:
@@ -89,14 +91,14 @@ def test_disk_full_while_creating_leaves_nothing(small_disk_server: ServerProces
 
 
 def test_hung_guest_agent_fails_create_in_bounded_time(tmp_path: Path) -> None:
-    s = ServerProcess(tmp_path / "data", "10.216.17.0/24", AENV_POOL_SIZE="0",
+    s = ServerProcess(tmp_path / "data", "10.216.17.0/24", AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
                       AENV_FAULTS="hang_after_restore", AENV_RESTORE_TIMEOUT="3")
     s.start()
     try:
         with s.client() as api:
             # The first create also builds the template snapshot (a cold boot); time the second.
             api.post("/sandboxes", json={"templateID": "base"})
-            before = (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir)))
+            before = (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir)), host.node_netns(s.data_dir))
             t0 = time.monotonic()
             r = api.post("/sandboxes", json={"templateID": "base"})
             elapsed = time.monotonic() - t0
@@ -104,6 +106,7 @@ def test_hung_guest_agent_fails_create_in_bounded_time(tmp_path: Path) -> None:
             assert "did not answer" in r.json()["message"]
             assert elapsed < 20, elapsed
             assert api.get("/sandboxes").json() == []
-            assert (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir))) == before
+            after = (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir)), host.node_netns(s.data_dir))
+            assert after == before
     finally:
         s.kill_all()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from agentenv.bench.node import qemu_pids
 
-__all__ = ["qemu_pids", "netns_names", "sandbox_dirs"]
+__all__ = ["qemu_pids", "netns_names", "node_netns", "sandbox_dirs"]
 
 
 def netns_names() -> set[str]:
@@ -18,3 +18,11 @@ def netns_names() -> set[str]:
 def sandbox_dirs(data_dir: Path) -> set[str]:
     d = data_dir / "sandboxes"
     return {p.name for p in d.iterdir()} if d.exists() else set()
+
+
+def node_netns(data_dir: Path) -> set[str]:
+    """The namespaces of one node (named after its tag), not those of other test servers."""
+    from agentenv.config import Settings
+
+    prefix = f"aenv-{Settings(data_dir=data_dir).instance_tag[:4]}-"
+    return {n for n in netns_names() if n.startswith(prefix)}
