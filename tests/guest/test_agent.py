@@ -583,3 +583,9 @@ async def test_filesystem_rpcs(client: EnvdClient, tmp_path: Path) -> None:
     with pytest.raises(EnvdError) as err:
         await client.stat(str(root / "sub1"))
     assert err.value.code == "not_found"
+
+
+async def test_empty_file_downloads_as_an_empty_200(agent, client) -> None:
+    await client.write_file("/tmp/aenv-empty-file", b"")
+    r = httpx.get(agent.url + "/files", params={"path": "/tmp/aenv-empty-file"}, timeout=10)
+    assert r.status_code == 200 and r.content == b""

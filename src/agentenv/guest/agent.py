@@ -197,12 +197,17 @@ class Request:
 
 
 class Response:
-    """Writes one response, either whole (Content-Length) or streamed (chunked, flushed per write)."""
+    """Writes one response, either whole (Content-Length) or streamed (chunked, flushed per write).
+
+    The head is held back and sent together with the first body bytes, and the last chunk goes
+    out with the terminator: each send() is a trip through the guest's TCP stack, which costs
+    milliseconds when the guest is emulated, so a short stream takes two sends instead of five."""
 
     def __init__(self, writer: asyncio.StreamWriter, keep_alive: bool) -> None:
         self.writer, self.keep_alive = writer, keep_alive
         self.started = False
         self._chunked = False
+        self._head = b""
 
     async def start(self, status: int, headers: dict[str, str], length: int | None = None) -> None:
         self.started = True
@@ -220,20 +225,28 @@ class Response:
             reason = "Unknown"
         head = f"HTTP/1.1 {status} {reason}\r\n" + "".join(
             f"{k}: {v}\r\n" for k, v in all_headers.items()) + "\r\n"
-        self.writer.write(head.encode("latin-1"))
+        self._head = head.encode("latin-1")
+
+    def _take_head(self) -> bytes:
+        head, self._head = self._head, b""
+        return head
 
     async def write(self, data: bytes) -> None:
         """Send body bytes and wait until the socket accepted them (flush + back-pressure)."""
-        if data:
-            if self._chunked:
-                self.writer.writelines([b"%x\r\n" % len(data), data, b"\r\n"])
-            else:
-                self.writer.write(data)
+        if data and self._chunked:
+            self.writer.writelines([self._take_head(), b"%x\r\n" % len(data), data, b"\r\n"])
+        elif data or self._head:
+            self.writer.writelines([self._take_head(), data])
         await self.writer.drain()
 
-    async def finish(self) -> None:
+    async def finish(self, last: bytes = b"") -> None:
+        """End the response; ``last`` (chunked only) is sent in the same write as the end."""
+        parts = [self._take_head()]
         if self._chunked:
-            self.writer.write(b"0\r\n\r\n")
+            if last:
+                parts += [b"%x\r\n" % len(last), last, b"\r\n"]
+            parts.append(b"0\r\n\r\n")
+        self.writer.writelines(parts)
         await self.writer.drain()
 
     async def send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
@@ -1001,6 +1014,7 @@ class Agent:
             await resp.start(200, {"Content-Type": "application/connect+json"})
             end: dict = {}
             stream = None
+            held = b""
             try:
                 body = await req.read_body()
                 if len(body) < 5 or len(body) != 5 + struct.unpack(">I", body[1:5])[0] or body[0] & 1:
@@ -1008,7 +1022,13 @@ class Agent:
                 msg = parse_json_object(body[5:])
                 stream = self.streams[name](msg, CallContext(self, req.headers))
                 async for out in stream:
-                    await resp.write(envelope(0, out))
+                    if held:
+                        await resp.write(held)
+                    # A process's end event is the stream's last message: hold it to send it
+                    # with the end-stream envelope in one write.
+                    held = envelope(0, out) if "end" in (out.get("event") or {}) else b""
+                    if not held:
+                        await resp.write(envelope(0, out))
             except ConnectError as exc:
                 end = {"error": {"code": exc.code, "message": exc.message}}
             except HttpError as exc:
@@ -1021,8 +1041,7 @@ class Agent:
             finally:
                 if stream is not None:
                     await stream.aclose()
-            await resp.write(envelope(2, end))
-            return await resp.finish()
+            return await resp.finish(held + envelope(2, end))
         try:
             body = await req.read_body()
             if name not in self.unary:
@@ -1296,6 +1315,7 @@ class Agent:
                 resp = Response(writer, req.keep_alive)
                 try:
                     await self.dispatch(req, resp)
+                    await resp.write(b"")  # a head still held back (a response with no body)
                 except HttpError as exc:
                     if resp.started:
                         return
