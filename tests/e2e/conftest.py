@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest

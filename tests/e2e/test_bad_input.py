@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import httpx
 
-from tests.framework import host
 from tests.framework.server import ServerProcess
 
 

@@ -181,6 +181,20 @@ class EnvdClient:
             raise _error_from_body(resp.status_code, resp.content)
         return resp.json()
 
+    async def _send_stream(self, request: httpx.Request, what: str) -> httpx.Response:
+        """Send with a streamed response body; transport failures become EnvdUnavailable and a
+        non-200 answer its EnvdError (the response is closed then). The caller closes it otherwise."""
+        try:
+            resp = await self._http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise EnvdUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            try:
+                raise _error_from_body(resp.status_code, await resp.aread())
+            finally:
+                await resp.aclose()
+        return resp
+
     async def _server_stream(self, method: str, message: dict, user: str | None,
                              timeout: float | None) -> AsyncIterator[dict]:
         """A server-streaming Connect call; yields decoded messages, raises on an error end."""
@@ -192,13 +206,8 @@ class EnvdClient:
         request = self._http.build_request(
             "POST", f"/{method}", content=_envelope(message), headers=headers,
             timeout=httpx.Timeout(self.timeout, read=_STREAM_READ_TIMEOUT_S))
+        resp = await self._send_stream(request, method)
         try:
-            resp = await self._http.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise EnvdUnavailable(f"{method}: {type(exc).__name__}: {exc}") from exc
-        try:
-            if resp.status_code != 200:
-                raise _error_from_body(resp.status_code, await resp.aread())
             buf = bytearray()
             async for chunk in resp.aiter_bytes():
                 buf += chunk
@@ -398,13 +407,8 @@ class EnvdClient:
         """Stream a file's content in chunks without holding it in memory."""
         request = self._http.build_request("GET", "/files", params=self._file_params(path, user),
                                            headers=self._headers())
+        resp = await self._send_stream(request, "GET /files")
         try:
-            resp = await self._http.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise EnvdUnavailable(f"GET /files: {type(exc).__name__}: {exc}") from exc
-        try:
-            if resp.status_code != 200:
-                raise _error_from_body(resp.status_code, await resp.aread())
             async for chunk in resp.aiter_bytes():
                 yield chunk
         except httpx.TransportError as exc:

@@ -68,17 +68,6 @@ class WarmPool:
         ready = sum(len(self._shells.get(k, [])) for k in self._hot)
         return ready, self.size * len(self._hot)
 
-    def ready(self, snapshot: TemplateSnapshot) -> int:
-        return len(self._shells.get(snapshot.dir, []))
-
-    async def wait_ready(self, snapshot: TemplateSnapshot, timeout: float = 60.0) -> None:
-        """Until the pool for ``snapshot`` is full (benchmarks and tests use this)."""
-        self.warm(snapshot)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.ready(snapshot) < self.size and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-
     async def _keeper(self) -> None:
         while True:
             await self._wake.wait()

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.envd_client import CommandResult, EnvdClient, EnvdError, ProcessEvent
+from agentenv.envd_client import CommandResult, EnvdClient, ProcessEvent
 from agentenv.errors import (
-    CapacityExhausted, GuestError, InvalidRequest, PlatformError, SandboxNotFound, SandboxStateError,
+    CapacityExhausted, InvalidRequest, PlatformError, SandboxNotFound, SandboxStateError,
 )
-from agentenv.network import SlotPool, host_firewall_down, host_firewall_up
+from agentenv.network import SlotPool, host_firewall_up
 from agentenv.orchestrator.lifecycle import State, allowed
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.sandbox import LiveSandbox
@@ -82,10 +82,6 @@ class Orchestrator:
         running = sum(1 for s in self._live.values() if s.record.state == State.RUNNING)
         log.info("orchestrator stopped cleanly; %d running sandboxes left for the next start", running)
 
-    async def shutdown_host(self) -> None:
-        """Remove host-wide objects (tests and `aenv` uninstall); sandboxes must be gone."""
-        await host_firewall_down(self.settings.instance_tag)
-
     # -- queries --------------------------------------------------------------------------
 
     def get(self, sandbox_id: str) -> SandboxRecord:
@@ -136,10 +132,8 @@ class Orchestrator:
         if active >= self.settings.max_sandboxes:
             raise CapacityExhausted(
                 f"this node runs its maximum of {self.settings.max_sandboxes} sandboxes; kill one or retry later")
-        t0 = time.perf_counter()
         snap = await self.snapshots.get(t, v, m)
         shell = self.pool.take(snap) or await self._make_shell(snap, prime=False)
-        log.debug("create: shell after %.1f ms", (time.perf_counter() - t0) * 1e3)
         now = time.time()
         rec = SandboxRecord(
             id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
@@ -170,7 +164,7 @@ class Orchestrator:
         live.envd = shell.envd
         self._watch(live)
         await self._transition(live, State.RUNNING)
-        log.debug("activate %s: %.1f ms (cont %.1f), then store %.1f ms", live.id, (t1 - t0) * 1e3, shell.cont_ms,
+        log.debug("activate %s: %.1f ms, then store %.1f ms", live.id, (t1 - t0) * 1e3,
                   (time.perf_counter() - t1) * 1e3)
 
     async def _make_shell(self, snap: TemplateSnapshot, prime: bool = True) -> Shell:
@@ -234,8 +228,7 @@ class Orchestrator:
         async with live.lock:
             if live.record.state != State.RUNNING:
                 return
-            console = Path(live.record.run_dir) / "console.log"
-            tail = console.read_text(errors="replace")[-300:].strip() if console.exists() else ""
+            tail = live.machine.spec.console_tail(300) if live.machine else ""
             await self._fail(live, "QEMU exited unexpectedly (killed or crashed)" + (f"; console: {tail}" if tail else ""))
 
     async def _transition(self, live: LiveSandbox, dst: State) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,10 +55,8 @@ class Shell:
         (id, entropy, token) and only needs the clock (it stood still while frozen) and the
         create's env vars; an inline shell gets everything now. Raises GuestError if the agent
         does not answer within ``timeout_s``."""
-        t0 = time.perf_counter()
         if self.frozen:
             await self.machine.qmp("cont")
-        self.cont_ms = (time.perf_counter() - t0) * 1000
         if "hang_after_restore" in faults:
             await self.machine.qmp("stop")  # injected fault: a guest that never answers
         try:

@@ -148,7 +148,7 @@ class SnapshotBuilder:
                 try:
                     await envd.wait_healthy(self.boot_timeout_s)
                 except EnvdUnavailable as exc:
-                    console = _tail(spec.console_log)
+                    console = spec.console_tail() or "(empty)"
                     raise GuestError(
                         f"template '{t.name}' did not boot: its guest agent did not answer within "
                         f"{self.boot_timeout_s:.0f}s. Console: {console}") from exc
@@ -181,9 +181,3 @@ class SnapshotBuilder:
             await undo.unwind()
             raise
 
-
-def _tail(path: Path, n: int = 800) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:].strip() or "(empty)"
-    except OSError:
-        return "(no console log)"

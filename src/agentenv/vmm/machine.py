@@ -96,7 +96,7 @@ class Machine:
         try:
             await qmp.connect(str(spec.qmp_path))
         except (QMPError, OSError) as exc:
-            _kill_pid(pid)
+            kill_pid(pid)
             raise VmmError(f"cannot connect QMP of {spec.name}: {exc}") from exc
         return cls(spec, pid, qmp)
 
@@ -139,7 +139,7 @@ class Machine:
         """SIGKILL and wait until the process is gone (bounded). Idempotent."""
         await self._disconnect()
         if not self.exited:
-            _kill_pid(self.pid)
+            kill_pid(self.pid)
             try:
                 await asyncio.wait_for(self.wait_exit(), 5)
             except asyncio.TimeoutError as exc:
@@ -218,7 +218,7 @@ class Machine:
 async def _abandon_launch(launcher: asyncio.subprocess.Process, pidfile: Path) -> None:
     await launcher.wait()
     try:
-        _kill_pid(int(pidfile.read_text().strip()))
+        kill_pid(int(pidfile.read_text().strip()))
     except (OSError, ValueError):
         pass
 
@@ -242,10 +242,6 @@ def find_qemu_pids(marker: str) -> dict[int, str]:
 
 def kill_pid(pid: int) -> None:
     """SIGKILL, ignoring a process that is already gone."""
-    _kill_pid(pid)
-
-
-def _kill_pid(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -45,6 +45,13 @@ class MachineSpec:
     def console_log(self) -> Path:
         return self.run_dir / "console.log"
 
+    def console_tail(self, n: int = 800) -> str:
+        """The end of the guest's serial console, for error messages ("" when there is none)."""
+        try:
+            return self.console_log.read_text(errors="replace")[-n:].strip()
+        except OSError:
+            return ""
+
     @property
     def qemu_log(self) -> Path:
         return self.run_dir / "qemu.log"
