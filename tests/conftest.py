@@ -1,6 +1,6 @@
 """Session set-up shared by every test folder.
 
-Test servers use addresses in 10.216.0.0/16 and data dirs under pytest's temporary root. A test
+Test servers use addresses in AENV_TEST_NET (10.216.0.0/16 by default) and data dirs under pytest's temporary root. A test
 run that was itself killed (not a server crash, which the servers recover from) can leave their
 QEMU processes and namespaces behind; they would collide with this run's addresses, so they are
 swept once at the start.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-TEST_NET = ipaddress.ip_network("10.216.0.0/16")
+from tests.framework.net import TEST_NET
 
 
 def _sweep_stale_test_nodes() -> None:

@@ -9,13 +9,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.framework.net import node_cidr
 from tests.framework.server import ServerProcess
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The default node: SQLite store, warm pool of 1."""
-    s = ServerProcess(tmp_path_factory.mktemp("node") / "data", "10.216.0.0/20")
+    s = ServerProcess(tmp_path_factory.mktemp("node") / "data", node_cidr(0, 20))
     s.start()
     yield s
     s.kill_all()

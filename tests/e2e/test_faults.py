@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.conftest import run
 from tests.framework import host
+from tests.framework.net import node_cidr
 from tests.framework.server import ServerProcess
 
 
@@ -43,7 +44,7 @@ def small_disk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
     every namespace it has belongs to a sandbox) and room for 2 sandboxes."""
     mnt = tmp_path_factory.mktemp("smalldisk")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(mnt)], check=True)
-    s = ServerProcess(mnt / "data", "10.216.16.0/24", AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
+    s = ServerProcess(mnt / "data", node_cidr(16), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
                       AENV_MAX_SANDBOXES="2")
     try:
         s.start()
@@ -91,7 +92,7 @@ def test_disk_full_while_creating_leaves_nothing(small_disk_server: ServerProces
 
 
 def test_hung_guest_agent_fails_create_in_bounded_time(tmp_path: Path) -> None:
-    s = ServerProcess(tmp_path / "data", "10.216.17.0/24", AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
+    s = ServerProcess(tmp_path / "data", node_cidr(17), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
                       AENV_FAULTS="hang_after_restore", AENV_RESTORE_TIMEOUT="3")
     s.start()
     try:

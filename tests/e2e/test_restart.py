@@ -8,11 +8,12 @@ from pathlib import Path
 
 from tests.e2e.conftest import run
 from tests.framework import host
+from tests.framework.net import node_cidr
 from tests.framework.server import ServerProcess
 
 
 def test_restart_readopts_running_sandboxes(tmp_path: Path) -> None:
-    s = ServerProcess(tmp_path / "data", "10.216.18.0/24")
+    s = ServerProcess(tmp_path / "data", node_cidr(18))
     s.start()
     try:
         with s.client() as api:
@@ -51,7 +52,7 @@ def test_stop_while_the_pool_fills_leaves_no_process(tmp_path: Path) -> None:
 
     import httpx
 
-    s = ServerProcess(tmp_path / "data", "10.216.19.0/24", AENV_POOL_SIZE="4")
+    s = ServerProcess(tmp_path / "data", node_cidr(19), AENV_POOL_SIZE="4")
     s.start()
     try:
         deadline = time.monotonic() + 120
