@@ -42,6 +42,10 @@ class Settings:
     restore_timeout_s: float = 20.0  # restore until the agent answers
     tcg_tb_size_mb: int = 32  # TCG translation cache per VM; bounds host memory per sandbox
     guest_aslr: bool = False  # under TCG, ASLR in the guest makes every exec 2-3x slower
+    max_fork: int = 16  # children per fork call
+    max_memory_layers: int = 8  # a longer memory chain is compacted into one layer
+    pause_on_stop: bool = False  # SIGTERM pauses running sandboxes instead of leaving them running
+    repository_dir: Path | None = None  # snapshot repository (posix_fs); default data_dir/repository
     api_key: str | None = None  # overrides the generated key file
     faults: frozenset[str] = frozenset()  # injected fault points, for tests only (AENV_FAULTS)
 
@@ -62,6 +66,10 @@ class Settings:
             pool_size=int(_env("AENV_POOL_SIZE", str(d.pool_size))),
             slot_pool_size=int(_env("AENV_SLOT_POOL_SIZE", str(d.slot_pool_size))),
             api_key=os.environ.get("AENV_API_KEY"),
+            max_fork=int(_env("AENV_MAX_FORK", str(d.max_fork))),
+            max_memory_layers=int(_env("AENV_MAX_MEMORY_LAYERS", str(d.max_memory_layers))),
+            pause_on_stop=_env("AENV_PAUSE_ON_STOP", "0") in ("1", "true", "on"),
+            repository_dir=Path(os.environ["AENV_REPOSITORY_DIR"]) if "AENV_REPOSITORY_DIR" in os.environ else None,
             boot_timeout_s=float(_env("AENV_BOOT_TIMEOUT", str(d.boot_timeout_s))),
             restore_timeout_s=float(_env("AENV_RESTORE_TIMEOUT", str(d.restore_timeout_s))),
             tcg_tb_size_mb=int(_env("AENV_TCG_TB_MB", str(d.tcg_tb_size_mb))),
@@ -96,6 +104,10 @@ class Settings:
     def sock_dir(self) -> Path:
         """QMP sockets: a short path whatever the data dir (Unix socket paths ≤ 107 bytes)."""
         return Path("/run/agentenv") / self.instance_tag
+
+    @property
+    def repository(self) -> Path:
+        return self.repository_dir or self.data_dir / "repository"
 
     @property
     def db_path(self) -> Path:

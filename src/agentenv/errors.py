@@ -5,7 +5,8 @@
     │   ├── InvalidRequest        400: a field is malformed or out of range
     │   ├── NotFound              404: sandbox or template unknown
     │   │   ├── SandboxNotFound
-    │   │   └── TemplateNotFound
+    │   │   ├── TemplateNotFound
+    │   │   └── SnapshotNotFound
     │   ├── SandboxStateError     409: the sandbox is not in a state that allows this
     │   └── CapacityExhausted     429/503: the node is full
     └── PlatformError             the platform failed (5xx, never silent)
@@ -15,6 +16,8 @@
         ├── NetworkError          namespace / tap / nft setup failed
         ├── GuestError            the guest agent did not answer or answered wrongly
         └── StorageError          disk full, missing or corrupt files
+            ├── DiskFull          507: no space left
+            └── SnapshotUnusable  422: a snapshot's layer is missing or fails its checksum
 
 Each error carries a message that says what to fix. The HTTP status for each class is
 mapped once, in ``agentenv.api.errors``.
@@ -57,6 +60,12 @@ class TemplateNotFound(NotFound):
             f"template '{template_id}' not found; `aenv template ls` lists the available templates"
         )
         self.template_id = template_id
+
+
+class SnapshotNotFound(NotFound):
+    def __init__(self, snapshot_id: str) -> None:
+        super().__init__(f"snapshot '{snapshot_id}' not found; `aenv snapshot ls` lists the snapshots")
+        self.snapshot_id = snapshot_id
 
 
 class SandboxStateError(RequestError):
@@ -113,3 +122,10 @@ class StorageError(PlatformError):
 
 class DiskFull(StorageError):
     code = "disk_full"
+
+
+class SnapshotUnusable(StorageError):
+    """A snapshot cannot be restored as stored (a layer is missing or fails its checksum, or
+    its base no longer exists). It is refused, never restored into a half-right sandbox."""
+
+    code = "snapshot_unusable"

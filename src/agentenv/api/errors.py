@@ -24,6 +24,7 @@ STATUS: dict[type[BaseException], int] = {
     e.SandboxStateError: 409,
     e.CapacityExhausted: 429,
     e.DiskFull: 507,
+    e.SnapshotUnusable: 422,
     e.GuestError: 502,
     e.PlatformError: 500,
     e.AgentenvError: 500,

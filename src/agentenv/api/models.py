@@ -25,6 +25,7 @@ class NewSandbox(BaseModel):
     cpuCount: int | None = None
     memoryMB: int | None = None
     secure: bool | None = None
+    autoPause: bool | None = Field(default=None, description="at timeout, pause instead of kill")
 
 
 class TimeoutRequest(BaseModel):

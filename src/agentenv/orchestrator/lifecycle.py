@@ -1,11 +1,20 @@
 """Sandbox lifecycle: the states and the transitions allowed between them.
 
-    creating ──▶ running ──▶ killing ──▶ (row deleted)
-        │           │
-        └──▶ error ◀┘        error: resources freed, reason kept until the sandbox is killed
+    creating ──▶ running ◀──────────────┐
+        │         │  │  │               │
+        │         │  │  ├─▶ snapshotting┤   brief stop; the sandbox keeps running
+        │         │  │  └─▶ forking ────┘
+        │         │  └─▶ pausing ──▶ paused ──▶ resuming ──▶ running
+        │         │         │                      │
+        └─▶ error ◀─────────┴──────────────────────┘   (pausing / resuming fall back:
+                  │                                      see Orchestrator.pause / resume)
+                  └─▶ killing ──▶ (row deleted)          killing is reachable from every
+                                                         stable state
 
 Every state change goes through ``Orchestrator._transition``, which checks this table,
-persists the new state and logs it.
+persists the new state and logs it. Operations take the sandbox's lock, so a second
+operation on a sandbox in a transitional state waits for the first to finish, then sees
+the state it left.
 """
 
 from __future__ import annotations
@@ -16,17 +25,36 @@ from enum import Enum
 class State(str, Enum):
     CREATING = "creating"
     RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    SNAPSHOTTING = "snapshotting"
+    FORKING = "forking"
     KILLING = "killing"
     ERROR = "error"
 
 
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.CREATING: frozenset({State.RUNNING, State.ERROR, State.KILLING}),
-    State.RUNNING: frozenset({State.KILLING, State.ERROR}),
+    State.RUNNING: frozenset({State.KILLING, State.ERROR, State.PAUSING, State.SNAPSHOTTING, State.FORKING}),
+    State.PAUSING: frozenset({State.PAUSED, State.RUNNING, State.ERROR}),
+    State.PAUSED: frozenset({State.RESUMING, State.KILLING}),
+    State.RESUMING: frozenset({State.RUNNING, State.PAUSED, State.ERROR}),
+    State.SNAPSHOTTING: frozenset({State.RUNNING, State.ERROR}),
+    State.FORKING: frozenset({State.RUNNING, State.ERROR}),
     State.ERROR: frozenset({State.KILLING}),
     State.KILLING: frozenset({State.ERROR}),
 }
 
+# States in which the sandbox holds a VM (counts against the node's capacity).
+ACTIVE = frozenset({State.CREATING, State.RUNNING, State.PAUSING, State.RESUMING,
+                    State.SNAPSHOTTING, State.FORKING})
+
 
 def allowed(src: State, dst: State) -> bool:
     return dst in TRANSITIONS[src]
+
+
+def api_state(state: State) -> str:
+    """What E2B clients see: they know only ``running`` and ``paused``."""
+    return "paused" if state in (State.PAUSING, State.PAUSED) else "running"

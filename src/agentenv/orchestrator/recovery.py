@@ -4,6 +4,18 @@ QEMU processes outlive the server. On start each stored sandbox is re-adopted (i
 alive and answers QMP) or marked ``error`` with the reason; nothing is silently forgotten.
 Host objects that no record owns (warm-pool shells of the previous run, namespaces, run dirs)
 are removed.
+
+A server killed in the middle of a pause, snapshot or fork leaves a record in a transitional
+state. Its manifest is published last, so the repository holds either the complete new
+checkpoint or none; recovery settles the sandbox on the state it can prove:
+
+    pausing / snapshotting / forking   QEMU alive → continued, ``running`` (disk top read back
+                                       from QEMU); dead → ``error``
+    resuming                           QEMU alive → ``running``; none → back to ``paused``
+    paused                             a QEMU still left (killed between the two steps) is killed
+
+Unpublished staging files, fork manifests (their children's records pin the layers) and pause
+manifests no record points to are removed, then unreferenced layers are collected.
 """
 
 from __future__ import annotations
@@ -44,6 +56,9 @@ async def recover(orch: Orchestrator) -> None:
             await orch.store.delete(rec.id)
             await remove_tree(Path(rec.run_dir))
             continue
+        if rec.state == State.PAUSED:
+            await _kill_leftover(Path(rec.run_dir))
+            continue
         if rec.slot_index is not None:
             orch.slots.mark_used(rec.slot_index)
             live.slot = orch.slots.slot(rec.slot_index)
@@ -51,10 +66,20 @@ async def recover(orch: Orchestrator) -> None:
             spec = spec_from_json(json.loads((Path(rec.run_dir) / "machine.json").read_text()))
             live.machine = await Machine.adopt(spec)
         except (OSError, ValueError, VmmError) as exc:
+            if rec.state == State.RESUMING and rec.paused is not None:
+                if live.slot is not None:
+                    await orch.slots.release(live.slot)
+                    live.slot = None
+                live.record = rec.with_(state=State.PAUSED, slot_index=None)
+                await orch.store.put(live.record)
+                log.warning("sandbox %s: resume interrupted before its VM ran; it is paused", rec.id)
+                continue
             await orch._fail(live, f"QEMU was gone when the server restarted ({exc})")
             continue
         assert live.slot is not None
         live.envd = EnvdClient(live.slot.guest_url, access_token=rec.access_token)
+        if rec.state != State.RUNNING:
+            await _settle(orch, live)
         orch._watch(live)
         log.info("re-adopted sandbox %s (pid %d)", rec.id, live.machine.pid)
     # Leftovers that no record owns: previous warm-pool shells, half-made sandboxes.
@@ -69,10 +94,41 @@ async def recover(orch: Orchestrator) -> None:
         if name not in owned:
             log.warning("killing QEMU %d (%s) that no sandbox owns", pid, name)
             kill_pid(pid)
+    referenced = {r.record.paused.id for r in orch._live.values() if r.record.paused is not None}
+    for cp in orch.repo.list():
+        if cp.kind == "fork" or (cp.kind == "pause" and cp.id not in referenced):
+            log.info("removing %s manifest %s left by an interrupted operation", cp.kind, cp.id)
+            orch.repo.delete(cp.id)
+    await orch.gc(staging_older_than=0)
     keep = {r.record.slot_index for r in orch._live.values() if r.record.slot_index is not None}
     removed = await orch.slots.remove_orphans({k for k in keep if k is not None})
     if removed:
         log.info("removed %d orphaned network namespaces", len(removed))
+
+
+async def _settle(orch: Orchestrator, live: LiveSandbox) -> None:
+    """A live QEMU whose sandbox was mid-operation: make it run, record its real disk top."""
+    assert live.machine is not None
+    rec = live.record
+    try:
+        if await live.machine.status() in ("paused", "postmigrate"):
+            await live.machine.qmp("cont")
+        top = await live.machine.disk_top()
+    except VmmError as exc:
+        await orch._fail(live, f"could not continue after an interrupted {rec.state.value}: {exc}")
+        return
+    changes: dict[str, object] = {"state": State.RUNNING, "disk_path": str(top)}
+    if rec.state == State.RESUMING and rec.paused is not None:
+        changes.update(origin=rec.paused, paused=None)
+    log.warning("sandbox %s: %s was interrupted by a restart; it is running", rec.id, rec.state.value)
+    live.record = rec.with_(**changes)
+    await orch.store.put(live.record)
+    if rec.state == State.RESUMING and live.envd is not None:
+        try:  # the clock and entropy the interrupted resume may not have given it
+            await live.envd.init(sandbox_id=rec.id, template_id=rec.template, env_vars={},
+                                 access_token=rec.access_token)
+        except Exception:  # noqa: BLE001 — best effort; the sandbox runs either way
+            log.warning("sandbox %s: could not refresh its clock after the interrupted resume", rec.id)
 
 
 async def _kill_leftover(run_dir: Path) -> None:

@@ -15,16 +15,28 @@ from pathlib import Path
 from agentenv.config import Settings
 from agentenv.envd_client import CommandResult, EnvdClient, ProcessEvent
 from agentenv.errors import (
-    CapacityExhausted, InvalidRequest, PlatformError, SandboxNotFound, SandboxStateError,
+    CapacityExhausted,
+    InvalidRequest,
+    PlatformError,
+    SandboxNotFound,
+    SandboxStateError,
+    SnapshotNotFound,
 )
 from agentenv.network import SlotPool, host_firewall_up
-from agentenv.orchestrator.lifecycle import State, allowed
+from agentenv.orchestrator.checkpoints import Checkpointer
+from agentenv.orchestrator.lifecycle import ACTIVE, State, allowed
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.sandbox import LiveSandbox
 from agentenv.orchestrator.shells import Shell, make_shell
 from agentenv.orchestrator.store import SandboxRecord, Store
 from agentenv.orchestrator.templates import SnapshotBuilder, Template, TemplateCatalog
-from agentenv.storage import TemplateSnapshot, remove_tree
+from agentenv.storage import (
+    Checkpoint,
+    SnapshotRepository,
+    TemplateSnapshot,
+    backing_chain,
+    remove_tree,
+)
 from agentenv.vmm import AccelInfo, detect_accel
 
 log = logging.getLogger(__name__)
@@ -45,6 +57,11 @@ class Orchestrator:
             guest_aslr=settings.guest_aslr,
         )
         self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots)
+        self.repo = SnapshotRepository(settings.repository)
+        self.checkpoints = Checkpointer(
+            self.repo, sock_dir=settings.sock_dir, accel=self.accel, tb_size_mb=settings.tcg_tb_size_mb,
+            restore_timeout_s=settings.restore_timeout_s, max_memory_layers=settings.max_memory_layers,
+            faults=settings.faults)
         self._live: dict[str, LiveSandbox] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -63,7 +80,10 @@ class Orchestrator:
         self._tasks.append(asyncio.create_task(self._slot_keeper(), name="slot-keeper"))
 
     async def stop(self) -> None:
-        """Leave running sandboxes running (they are adopted on the next start)."""
+        """Leave running sandboxes running (they are adopted on the next start), or pause them
+        first when configured to (AENV_PAUSE_ON_STOP)."""
+        if self.settings.pause_on_stop:
+            await self.pause_all()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -80,7 +100,9 @@ class Orchestrator:
                 await live.envd.aclose()
         self.store.close()
         running = sum(1 for s in self._live.values() if s.record.state == State.RUNNING)
-        log.info("orchestrator stopped cleanly; %d running sandboxes left for the next start", running)
+        paused = sum(1 for s in self._live.values() if s.record.state == State.PAUSED)
+        log.info("orchestrator stopped cleanly; %d running and %d paused sandboxes left for the next start",
+                 running, paused)
 
     # -- queries --------------------------------------------------------------------------
 
@@ -121,17 +143,27 @@ class Orchestrator:
             raise InvalidRequest(f"timeout must be between 0 and {self.settings.max_timeout_s} seconds, got {timeout_s}")
         return timeout_s
 
+    def check_capacity(self, more: int = 1) -> None:
+        active = sum(1 for s in self._live.values() if s.record.state in ACTIVE)
+        if active + more > self.settings.max_sandboxes:
+            raise CapacityExhausted(
+                f"this node runs {active} of its maximum of {self.settings.max_sandboxes} sandboxes; "
+                f"kill or pause some, or retry later")
+
     async def create(self, template: str, *, vcpus: int | None = None, memory_mb: int | None = None,
                      timeout_s: int | None = None, metadata: dict[str, str] | None = None,
-                     env_vars: dict[str, str] | None = None) -> SandboxRecord:
-        """Restore a new sandbox from the template's snapshot; returns once its agent answers."""
+                     env_vars: dict[str, str] | None = None, auto_pause: bool = False) -> SandboxRecord:
+        """Restore a new sandbox from the template's snapshot (or from a named snapshot);
+        returns once its agent answers."""
+        if not self.catalog.exists(template) and self.repo.exists(template):
+            from agentenv.orchestrator.forking import create_from_snapshot
+
+            return await create_from_snapshot(self, template, timeout_s=timeout_s, metadata=metadata,
+                                              env_vars=env_vars, auto_pause=auto_pause)
         t = self.catalog.get(template)
         v, m = self.validate_shape(t, vcpus, memory_mb)
         timeout = self.validate_timeout(self.settings.default_timeout_s if timeout_s is None else timeout_s)
-        active = sum(1 for s in self._live.values() if s.record.state in (State.CREATING, State.RUNNING))
-        if active >= self.settings.max_sandboxes:
-            raise CapacityExhausted(
-                f"this node runs its maximum of {self.settings.max_sandboxes} sandboxes; kill one or retry later")
+        self.check_capacity()
         snap = await self.snapshots.get(t, v, m)
         shell = self.pool.take(snap) or await self._make_shell(snap, prime=False)
         now = time.time()
@@ -139,7 +171,8 @@ class Orchestrator:
             id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
             disk_mb=t.disk_mb, started_at=now, end_at=now + timeout, access_token=shell.access_token,
             run_dir=str(shell.run_dir), metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
-            slot_index=shell.slot.index,
+            slot_index=shell.slot.index, base_dir=str(snap.dir), disk_path=str(shell.run_dir / "disk.qcow2"),
+            auto_pause=auto_pause, timeout_s=timeout,
         )
         live = LiveSandbox(rec, shell.machine, shell.slot, shell.envd)
         self._live[rec.id] = live
@@ -186,11 +219,14 @@ class Orchestrator:
             self._live.pop(sandbox_id, None)
             await self.store.delete(sandbox_id)
             await remove_tree(Path(live.record.run_dir))
+            if live.record.paused is not None:
+                self.repo.delete(live.record.paused.id)
+        self.schedule_gc()
 
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
         live = self._require(sandbox_id, {State.RUNNING})
         self.validate_timeout(timeout_s)
-        live.record = live.record.with_(end_at=time.time() + timeout_s)
+        live.record = live.record.with_(end_at=time.time() + timeout_s, timeout_s=timeout_s)
         await self.store.put(live.record)
         return live.record
 
@@ -248,17 +284,18 @@ class Orchestrator:
         return live
 
     async def _reaper(self) -> None:
-        """Kill sandboxes whose timeout has passed."""
+        """Kill (or, with auto-pause, pause) running sandboxes whose timeout has passed."""
         while True:
             await asyncio.sleep(0.5)
             now = time.time()
             for live in list(self._live.values()):
                 if live.record.state == State.RUNNING and live.record.end_at <= now:
-                    log.info("sandbox %s reached its timeout", live.id)
+                    action = "pause" if live.record.auto_pause else "kill"
+                    log.info("sandbox %s reached its timeout: %s", live.id, action)
                     try:
-                        await self.kill(live.id)
+                        await (self.pause(live.id) if live.record.auto_pause else self.kill(live.id))
                     except Exception:  # noqa: BLE001 — background
-                        log.exception("reaper could not kill %s", live.id)
+                        log.exception("reaper could not %s %s", action, live.id)
 
     async def _prepare_templates(self) -> None:
         """Snapshot every template in its default shape and fill its pool, in the background,
@@ -290,3 +327,73 @@ class Orchestrator:
 
     def exec_stream(self, sandbox_id: str, cmd: str | list[str], **kw: object) -> AsyncIterator[ProcessEvent]:
         return self.envd(sandbox_id).stream(cmd, **kw)  # type: ignore[arg-type]
+
+    # -- saved states: pause, resume, snapshot, fork (orchestrator/pausing.py, forking.py) --
+
+    async def pause(self, sandbox_id: str) -> SandboxRecord:
+        from agentenv.orchestrator.pausing import pause
+
+        return await pause(self, sandbox_id)
+
+    async def resume(self, sandbox_id: str, timeout_s: int | None = None) -> SandboxRecord:
+        from agentenv.orchestrator.pausing import resume
+
+        return await resume(self, sandbox_id, timeout_s)
+
+    async def connect(self, sandbox_id: str, timeout_s: int | None = None) -> tuple[SandboxRecord, bool]:
+        """Running: extend the timeout (never shorten) → (record, False). Paused: resume →
+        (record, True)."""
+        from agentenv.orchestrator.pausing import connect
+
+        return await connect(self, sandbox_id, timeout_s)
+
+    async def pause_all(self) -> None:
+        from agentenv.orchestrator.pausing import pause_all
+
+        await pause_all(self)
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> Checkpoint:
+        from agentenv.orchestrator.forking import snapshot
+
+        return await snapshot(self, sandbox_id, name)
+
+    async def fork(self, sandbox_id: str, count: int = 1,
+                   timeout_s: int | None = None) -> list[SandboxRecord | Exception]:
+        from agentenv.orchestrator.forking import fork
+
+        return await fork(self, sandbox_id, count, timeout_s)
+
+    def list_snapshots(self, sandbox_id: str | None = None, name: str | None = None) -> list[Checkpoint]:
+        return [c for c in self.repo.list("snapshot")
+                if (sandbox_id is None or c.source_sandbox == sandbox_id) and (name is None or c.name == name)]
+
+    async def delete_snapshot(self, id_or_name: str) -> None:
+        cp = self.repo.get(id_or_name)
+        if cp.kind != "snapshot":
+            raise SnapshotNotFound(id_or_name)
+        self.repo.delete(cp.id)
+        await self.gc()
+
+    # -- repository garbage collection ----------------------------------------------------
+
+    def pins(self) -> set[str]:
+        """Layers the sandboxes of this node need: their origins, paused states and the disk
+        chains under their overlays (read from the qcow2 headers)."""
+        out: set[str] = set()
+        for live in list(self._live.values()):
+            rec = live.record
+            out |= rec.pins()
+            tops = [rec.disk_path] + ([rec.paused.disk_top] if rec.paused and rec.paused.disk_top else [])
+            for top in tops:
+                if top:
+                    out |= {p.name for p in backing_chain(Path(top)) if p.parent == self.repo.layers}
+        return out
+
+    async def gc(self, staging_older_than: float = 600.0) -> list[str]:
+        async with self.repo.lock:
+            pins = await asyncio.to_thread(self.pins)
+            return await asyncio.to_thread(self.repo.gc, pins, staging_older_than)
+
+    def schedule_gc(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.gc())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() and log.error("gc failed: %r", t.exception()))

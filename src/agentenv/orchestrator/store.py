@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agentenv.orchestrator.lifecycle import State
+from agentenv.storage.repository import Checkpoint
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -35,6 +36,16 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 );
 """
 
+# Columns added after the first release; added to older databases on open.
+_ADDED = {
+    "base_dir": "TEXT NOT NULL DEFAULT ''",
+    "disk_path": "TEXT NOT NULL DEFAULT ''",
+    "origin": "TEXT",
+    "paused": "TEXT",
+    "auto_pause": "INTEGER NOT NULL DEFAULT 0",
+    "timeout_s": "INTEGER NOT NULL DEFAULT 300",
+}
+
 
 @dataclass(frozen=True)
 class SandboxRecord:
@@ -52,18 +63,41 @@ class SandboxRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     slot_index: int | None = None
     error: str | None = None
+    base_dir: str = ""  # the template snapshot whose memory file the RAM maps
+    disk_path: str = ""  # the qcow2 overlay the sandbox writes to now
+    origin: Checkpoint | None = None  # the checkpoint it was restored from (its layers stay pinned)
+    paused: Checkpoint | None = None  # its saved state while paused
+    auto_pause: bool = False  # at timeout: pause instead of kill
+    timeout_s: int = 300  # the timeout it was given (forks restart it)
+
+    def pins(self) -> set[str]:
+        """Repository layers this sandbox needs."""
+        out: set[str] = set()
+        for cp in (self.origin, self.paused):
+            if cp is not None:
+                out |= cp.layer_names()
+        return out
 
     def with_(self, **changes: object) -> SandboxRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
 _COLS = ("id", "template", "state", "vcpus", "memory_mb", "disk_mb", "started_at", "end_at",
-         "metadata", "env_vars", "slot_index", "access_token", "error", "run_dir")
+         "metadata", "env_vars", "slot_index", "access_token", "error", "run_dir", *_ADDED)
+
+
+def _cp_json(cp: Checkpoint | None) -> str | None:
+    return None if cp is None else json.dumps(cp.to_json())
+
+
+def _cp(text: str | None) -> Checkpoint | None:
+    return None if not text else Checkpoint.from_json(json.loads(text))
 
 
 def _to_row(r: SandboxRecord) -> tuple[object, ...]:
     return (r.id, r.template, r.state.value, r.vcpus, r.memory_mb, r.disk_mb, r.started_at, r.end_at,
-            json.dumps(r.metadata), json.dumps(r.env_vars), r.slot_index, r.access_token, r.error, r.run_dir)
+            json.dumps(r.metadata), json.dumps(r.env_vars), r.slot_index, r.access_token, r.error, r.run_dir,
+            r.base_dir, r.disk_path, _cp_json(r.origin), _cp_json(r.paused), int(r.auto_pause), r.timeout_s)
 
 
 def _from_row(row: sqlite3.Row) -> SandboxRecord:
@@ -72,7 +106,9 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         memory_mb=row["memory_mb"], disk_mb=row["disk_mb"], started_at=row["started_at"],
         end_at=row["end_at"], metadata=json.loads(row["metadata"]), env_vars=json.loads(row["env_vars"]),
         slot_index=row["slot_index"], access_token=row["access_token"], error=row["error"],
-        run_dir=row["run_dir"],
+        run_dir=row["run_dir"], base_dir=row["base_dir"], disk_path=row["disk_path"],
+        origin=_cp(row["origin"]), paused=_cp(row["paused"]), auto_pause=bool(row["auto_pause"]),
+        timeout_s=row["timeout_s"],
     )
 
 
@@ -86,6 +122,10 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        for col, decl in _ADDED.items():
+            if col not in have:
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {col} {decl}")
         self._lock = threading.Lock()
 
     def close(self) -> None:

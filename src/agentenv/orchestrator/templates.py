@@ -66,6 +66,9 @@ class TemplateCatalog:
         except (OSError, ValueError) as exc:
             raise TemplateNotFound(name) from exc
 
+    def exists(self, name: str) -> bool:
+        return (self.root / name / "template.json").exists()
+
     def list(self) -> list[Template]:
         out = []
         for p in sorted(self.root.glob("*/template.json")):

@@ -33,3 +33,42 @@ def seal_readonly(path: Path) -> None:
 async def remove_tree(path: Path) -> None:
     """Remove a sandbox's directory off the event loop (overlays can be large)."""
     await asyncio.to_thread(shutil.rmtree, path, True)
+
+
+async def create_overlay_over(path: Path, backing: Path, size_mb: int) -> Path:
+    """A new qcow2 over a sealed layer without opening it (``-u``): used in the stop window of
+    a snapshot, where the backing file is open in the running QEMU."""
+    try:
+        await run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", str(backing), "-F", "qcow2",
+                   str(path), f"{size_mb}M"])
+    except ExternalCommandError as exc:
+        path.unlink(missing_ok=True)
+        if "No space left" in exc.output:
+            raise DiskFull(f"no space left on {path.parent} for a new disk layer; free disk space") from exc
+        raise StorageError(f"cannot create overlay {path}: {exc.output.strip()}") from exc
+    return path
+
+
+def backing_chain(path: Path) -> list[Path]:
+    """The backing files below a qcow2 overlay, nearest first, read from the qcow2 headers
+    (no process, so the repository's GC can afford it for every sandbox)."""
+    out: list[Path] = []
+    current = path
+    for _ in range(256):
+        try:
+            with open(current, "rb") as f:
+                head = f.read(32)
+                if head[:4] != b"QFI\xfb":
+                    break
+                offset = int.from_bytes(head[8:16], "big")
+                size = int.from_bytes(head[16:20], "big")
+                if not offset or not size:
+                    break
+                f.seek(offset)
+                name = f.read(size).decode()
+        except OSError:
+            break
+        nxt = Path(name) if name.startswith("/") else current.parent / name
+        out.append(nxt)
+        current = nxt
+    return out

@@ -142,7 +142,7 @@ class Machine:
             kill_pid(self.pid)
             try:
                 await asyncio.wait_for(self.wait_exit(), 5)
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 raise VmmError(f"QEMU {self.pid} did not exit after SIGKILL") from exc
         self.spec.qmp_path.unlink(missing_ok=True)
 
@@ -179,6 +179,31 @@ class Machine:
         await self.qmp("migrate", uri=f"exec:cat > {tmp}")
         await self._wait_migration()
         os.replace(tmp, state_path)
+
+    async def save_device_state(self, path: Path) -> None:
+        """Write the device state alone (no RAM) of a stopped machine; repeatable, unlike
+        ``migrate`` (qemu-microvm-notes.md §8.1, §10)."""
+        await self.qmp("xen-save-devices-state", filename=str(path), live=False)
+
+    async def switch_disk(self, overlay: Path) -> None:
+        """Make ``overlay`` (a qcow2 created over the current top's sealed copy) the disk's new
+        top: the current top becomes a read-only backing file and receives no more writes."""
+        blocks = await self.qmp("query-block")
+        current = next(b["inserted"]["node-name"] for b in blocks if b.get("device") == "d0")
+        node = "top" + os.urandom(4).hex()
+        await self.qmp("blockdev-add", **{
+            "driver": "qcow2", "node-name": node, "discard": "unmap", "backing": None,
+            "file": {"driver": "file", "filename": str(overlay)}})
+        try:
+            await self.qmp("blockdev-snapshot", node=current, overlay=node)
+        except VmmError:
+            await self.qmp("blockdev-del", **{"node-name": node})
+            raise
+
+    async def disk_top(self) -> Path:
+        """The overlay the disk writes to, as QEMU sees it (recovery trusts this over records)."""
+        blocks = await self.qmp("query-block")
+        return Path(next(b["inserted"]["file"] for b in blocks if b.get("device") == "d0"))
 
     async def _wait_migration(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

@@ -9,7 +9,6 @@ from pathlib import Path
 from agentenv.vmm.accel import AccelInfo
 
 
-
 @dataclass(frozen=True)
 class MachineSpec:
     """One QEMU microvm. ``mem_share`` is True for a template being built (its RAM file is the
@@ -27,6 +26,7 @@ class MachineSpec:
     accel: AccelInfo
     mem_share: bool = False
     incoming: bool = False  # start in -incoming defer, waiting for a device state
+    device_state_only: bool = False  # the incoming state has no RAM and no configuration section
     netns: str | None = None
     tap: str | None = "tap0"
     guest_mac: str = ""  # the network layer chooses the guest link's addresses
@@ -90,6 +90,9 @@ def build_argv(spec: MachineSpec) -> list[str]:
         ]
     if spec.incoming:
         argv += ["-incoming", "defer"]
+    if spec.device_state_only:
+        # a xen-save-devices-state file (pause, snapshot, fork) has no configuration section
+        argv += ["-global", "migration.send-configuration=off"]
     if spec.netns:
         argv = ["ip", "netns", "exec", spec.netns, *argv]
     return argv

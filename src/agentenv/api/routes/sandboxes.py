@@ -19,7 +19,7 @@ def _orch(request: Request) -> Orchestrator:
 async def create_sandbox(body: NewSandbox, request: Request) -> Sandbox:
     rec = await _orch(request).create(
         body.templateID, vcpus=body.cpuCount, memory_mb=body.memoryMB, timeout_s=body.timeout,
-        metadata=body.metadata, env_vars=body.envVars,
+        metadata=body.metadata, env_vars=body.envVars, auto_pause=bool(body.autoPause),
     )
     return Sandbox.of(rec)
 

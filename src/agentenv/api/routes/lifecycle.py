@@ -1,0 +1,126 @@
+"""Saved-state routes (E2B-shaped): pause, resume, connect, snapshots, fork."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentenv.api.errors import status_of
+from agentenv.api.models import Sandbox
+from agentenv.errors import AgentenvError, InvalidRequest
+from agentenv.orchestrator import Orchestrator
+from agentenv.storage import Checkpoint
+
+router = APIRouter()
+
+
+def _orch(request: Request) -> Orchestrator:
+    return request.app.state.orch  # type: ignore[no-any-return]
+
+
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    memory: bool | None = None
+    requireHealthyGuest: bool | None = None
+
+
+class ResumeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    timeout: int | None = Field(default=None, description="seconds from now; default 300")
+    autoPause: bool | None = None
+
+
+class SnapshotRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str | None = None
+
+
+class SnapshotInfo(BaseModel):
+    snapshotID: str
+    names: list[str]
+    sandboxID: str | None = None
+    templateID: str | None = None
+    createdAt: float | None = None
+    cpuCount: int | None = None
+    memoryMB: int | None = None
+
+    @classmethod
+    def of(cls, cp: Checkpoint) -> SnapshotInfo:
+        return cls(snapshotID=cp.id, names=[cp.name] if cp.name else [], sandboxID=cp.source_sandbox,
+                   templateID=cp.template, createdAt=cp.created_at, cpuCount=cp.vcpus, memoryMB=cp.memory_mb)
+
+
+class ForkRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    count: int = 1
+    timeout: int | None = None
+
+
+async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """These routes accept an empty body (older SDKs send none)."""
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw) if raw.strip() else model()
+    except ValidationError as exc:
+        parts = [f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()]
+        raise InvalidRequest("invalid request: " + "; ".join(parts)) from None
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204, response_class=Response)
+async def pause(sandbox_id: str, request: Request) -> Response:
+    await _body(request, PauseRequest)
+    await _orch(request).pause(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume", status_code=201, response_model=Sandbox,
+             response_model_exclude_none=True)
+async def resume(sandbox_id: str, request: Request) -> Sandbox:
+    body = await _body(request, ResumeRequest)
+    return Sandbox.of(await _orch(request).resume(sandbox_id, body.timeout))  # type: ignore[attr-defined]
+
+
+@router.post("/sandboxes/{sandbox_id}/connect", response_model=Sandbox, response_model_exclude_none=True)
+@router.post("/v2/sandboxes/{sandbox_id}/connect", response_model=Sandbox, response_model_exclude_none=True)
+async def connect(sandbox_id: str, request: Request, response: Response) -> Sandbox:
+    """200 when it was running (timeout only extended), 201 when it was paused and resumed."""
+    body = await _body(request, ResumeRequest)
+    rec, resumed = await _orch(request).connect(sandbox_id, body.timeout)  # type: ignore[attr-defined]
+    response.status_code = 201 if resumed else 200
+    return Sandbox.of(rec)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=SnapshotInfo,
+             response_model_exclude_none=True)
+async def create_snapshot(sandbox_id: str, request: Request) -> SnapshotInfo:
+    body = await _body(request, SnapshotRequest)
+    return SnapshotInfo.of(await _orch(request).snapshot(sandbox_id, body.name))  # type: ignore[attr-defined]
+
+
+@router.get("/snapshots", response_model=list[SnapshotInfo], response_model_exclude_none=True)
+async def list_snapshots(request: Request, sandboxID: str | None = None, name: str | None = None) -> list[SnapshotInfo]:  # noqa: N803
+    return [SnapshotInfo.of(cp) for cp in _orch(request).list_snapshots(sandboxID, name)]
+
+
+@router.delete("/snapshots/{snapshot_id}", status_code=204, response_class=Response)
+@router.delete("/templates/{snapshot_id}", status_code=204, response_class=Response)
+async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
+    await _orch(request).delete_snapshot(snapshot_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+async def fork(sandbox_id: str, request: Request) -> JSONResponse:
+    """201 with one item per child: ``{"sandbox": …}`` or ``{"error": {code, message}}``."""
+    body = await _body(request, ForkRequest)
+    results = await _orch(request).fork(sandbox_id, body.count, body.timeout)  # type: ignore[attr-defined]
+    items: list[dict[str, object]] = []
+    for r in results:
+        if isinstance(r, Exception):
+            status = status_of(r)
+            message = r.message if isinstance(r, AgentenvError) else repr(r)
+            items.append({"error": {"code": status, "message": message}})
+        else:
+            items.append({"sandbox": Sandbox.of(r).model_dump(exclude_none=True)})
+    return JSONResponse(items, status_code=201)

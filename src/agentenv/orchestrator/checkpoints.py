@@ -1,0 +1,218 @@
+"""Saving a running sandbox's state and starting machines from saved states.
+
+``capture`` is one stop window of the source VM (qemu-microvm-notes.md §8–9)::
+
+    stop → [seal the disk: the top overlay becomes a repository layer, a new empty overlay
+            becomes the top, live, via blockdev-snapshot]
+         → memory layer (the pages changed since the chain it was restored from)
+         → device state → import both into the repository → publish the manifest → cont
+
+The manifest is written last and atomically, so a crash anywhere before it leaves no visible
+checkpoint, and the staged files are removed by the next start. A failure (e.g. a full disk)
+continues the VM: the source keeps running and the caller gets the error.
+
+``restore`` starts a QEMU mapping the template's memory file copy-on-write, writes the
+chain's pages into it, then loads the device state. The caller gives the guest its identity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from agentenv.errors import SnapshotUnusable, VmmError
+from agentenv.network import Slot
+from agentenv.orchestrator.cleanup import Cleanup
+from agentenv.orchestrator.store import SandboxRecord
+from agentenv.orchestrator.templates import guest_link_spec
+from agentenv.storage import (
+    Checkpoint,
+    LayerRef,
+    SnapshotRepository,
+    TemplateSnapshot,
+    backing_chain,
+    create_overlay,
+    create_overlay_over,
+    new_checkpoint_id,
+)
+from agentenv.storage import memory_layers as ml
+from agentenv.storage.repository import check_writable
+from agentenv.vmm import AccelInfo, Machine, MachineSpec
+from agentenv.vmm.spec import spec_to_json
+
+log = logging.getLogger(__name__)
+
+
+class InjectedCrash(BaseException):
+    """Raised at a crash point named in AENV_FAULTS: the test then SIGKILLs the server."""
+
+
+@dataclass
+class Timings:
+    stopped_ms: float = 0.0
+    memory_ms: float = 0.0
+    pages: int = 0
+
+
+class Checkpointer:
+    def __init__(self, repo: SnapshotRepository, *, sock_dir: Path, accel: AccelInfo, tb_size_mb: int,
+                 restore_timeout_s: float, max_memory_layers: int, faults: frozenset[str]) -> None:
+        self.repo = repo
+        self.sock_dir = sock_dir
+        self.accel = accel
+        self.tb_size_mb = tb_size_mb
+        self.restore_timeout_s = restore_timeout_s
+        self.max_memory_layers = max_memory_layers
+        self.faults = faults
+
+    async def _crash_point(self, name: str) -> None:
+        """Tests name crash points in AENV_FAULTS; the server then stops here (hangs) so that
+        the test can SIGKILL it at exactly this step."""
+        if name in self.faults:
+            log.warning("crash point %s reached: waiting to be killed", name)
+            await asyncio.sleep(3600)
+
+    # -- capture --------------------------------------------------------------------------
+
+    async def capture(self, rec: SandboxRecord, machine: Machine, *, kind: str, name: str | None = None,
+                      seal_disk: bool, keep_running: bool) -> tuple[Checkpoint, str]:
+        """Checkpoint the sandbox; returns the published checkpoint and the disk overlay the
+        sandbox writes to from now on (a new one if the disk was sealed)."""
+        await asyncio.to_thread(check_writable, self.repo.root)
+        t0 = time.perf_counter()
+        await machine.qmp("stop")
+        undo = Cleanup(f"checkpoint of {rec.id}")
+        disk_top = rec.disk_path
+        completed = False
+        try:
+            async with self.repo.lock:
+                if seal_disk:
+                    sealed = await asyncio.to_thread(self.repo.link_disk, Path(rec.disk_path))
+                    sealed_path = self.repo.layer_path(sealed.name)
+                    undo.add("sealed", lambda: asyncio.to_thread(sealed_path.unlink, True))
+                    new_top = Path(rec.run_dir) / f"disk-{sealed.name[5:21]}.qcow2"
+                    await create_overlay_over(new_top, sealed_path, rec.disk_mb)
+                    undo.add("overlay", lambda: asyncio.to_thread(new_top.unlink, True))
+                    await machine.switch_disk(new_top)
+                    undo.release()  # the VM now writes to new_top: the sealed layer is in use
+                    await _rewrite_spec(machine, disk=new_top)
+                    disk_top = str(new_top)
+                disk_layers = await asyncio.to_thread(self._disk_layers, Path(disk_top), seal_disk)
+                await self._crash_point(f"{kind}_after_disk")
+                chain = [self.repo.layer_path(r.name) for r in (rec.origin.memory if rec.origin else ())]
+                mem_tmp = self.repo.staging_path("mem")
+                undo.add("mem", lambda: asyncio.to_thread(mem_tmp.unlink, True))
+                t1 = time.perf_counter()
+                info = await asyncio.to_thread(ml.capture, machine.pid, machine.spec.mem_path, mem_tmp, chain)
+                t2 = time.perf_counter()
+                dev_tmp = self.repo.staging_path("dev")
+                undo.add("dev", lambda: asyncio.to_thread(dev_tmp.unlink, True))
+                await machine.save_device_state(dev_tmp)
+                dev_digest = await asyncio.to_thread(ml.file_digest, dev_tmp)
+                await self._crash_point(f"{kind}_before_publish")
+                mem_ref = await asyncio.to_thread(self.repo.import_layer, mem_tmp, "mem", info.digest)
+                dev_ref = await asyncio.to_thread(self.repo.import_layer, dev_tmp, "dev", dev_digest)
+                memory = (*(rec.origin.memory if rec.origin else ()), mem_ref)
+                if len(memory) > self.max_memory_layers:
+                    memory = (await self._compact(memory),)
+                cp = Checkpoint(
+                    id=new_checkpoint_id(), kind=kind, name=name, template=rec.template, base=rec.base_dir,
+                    base_created_at=_base(rec.base_dir).created_at, vcpus=rec.vcpus, memory_mb=rec.memory_mb,
+                    disk_mb=rec.disk_mb, memory=memory, device=dev_ref, disk=disk_layers,
+                    disk_top=None if seal_disk else rec.disk_path, source_sandbox=rec.id,
+                    env_vars=rec.env_vars, metadata=rec.metadata, access_token=rec.access_token,
+                    created_at=time.time(),
+                )
+                t3 = time.perf_counter()
+                await asyncio.to_thread(self.repo.put, cp)
+                t4 = time.perf_counter()
+                undo.release()
+                completed = True
+            log.info("%s of %s: %d pages, VM stopped %.1f ms (before memory %.1f, memory %.1f, device+import "
+                     "%.1f, manifest %.1f)", kind, rec.id, info.pages, (time.perf_counter() - t0) * 1e3,
+                     (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3)
+            return cp, disk_top
+        except BaseException:
+            await undo.unwind()
+            raise
+        finally:
+            if keep_running or not completed:
+                try:
+                    await machine.qmp("cont")
+                except VmmError:
+                    log.exception("could not continue %s after its checkpoint", rec.id)
+
+    def _disk_layers(self, top: Path, sealed_top: bool) -> tuple[LayerRef, ...]:
+        """The repository layers under the disk, oldest first, as the qcow2 headers chain
+        them (the truth, whatever the records say)."""
+        chain = backing_chain(top)
+        return tuple(LayerRef(p.name, p.stat().st_size) for p in reversed(chain) if p.parent == self.repo.layers)
+
+    async def _compact(self, memory: tuple[LayerRef, ...]) -> LayerRef:
+        out = self.repo.staging_path("mem")
+        info = await asyncio.to_thread(ml.compact, [self.repo.layer_path(r.name) for r in memory], out)
+        return await asyncio.to_thread(self.repo.import_layer, out, "mem", info.digest)
+
+    # -- restore --------------------------------------------------------------------------
+
+    async def restore(self, cp: Checkpoint, *, name: str, run_dir: Path, slot: Slot,
+                      disk_top: Path | None = None) -> tuple[Machine, str]:
+        """A running machine in the state of ``cp``; returns it and its disk overlay.
+        ``disk_top`` resumes a paused sandbox on its own overlay; otherwise a new overlay
+        is made over the checkpoint's sealed disk."""
+        await asyncio.to_thread(self.repo.verify, cp)
+        base = _base(cp.base)
+        if base.created_at != cp.base_created_at:
+            raise SnapshotUnusable(
+                f"snapshot {cp.name or cp.id} was taken on a build of template '{cp.template}' that no "
+                f"longer exists (rebuilt after a host restart or an image change); it cannot be restored")
+        undo = Cleanup(f"restore of {name}")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if disk_top is None:
+                disk_top = run_dir / "disk.qcow2"
+                backing = self.repo.layer_path(cp.disk[-1].name) if cp.disk else base.disk
+                await create_overlay(disk_top, backing, "qcow2")
+                undo.add("disk", lambda: asyncio.to_thread(disk_top.unlink, True))  # type: ignore[union-attr]
+            spec = MachineSpec(
+                name=name, run_dir=run_dir, sock_dir=self.sock_dir, kernel=Path(base.kernel),
+                initramfs=Path(base.initramfs), disk=disk_top, mem_path=base.mem_file,
+                memory_mb=base.memory_mb, vcpus=base.vcpus, accel=self.accel, incoming=True,
+                device_state_only=True, netns=slot.netns, tb_size_mb=self.tb_size_mb, **guest_link_spec(),
+            )
+            _write_spec(spec)
+            machine = await Machine.launch(spec)
+            undo.add("machine", machine.kill)
+            await asyncio.to_thread(ml.restore, machine.pid, base.mem_file,
+                                    [self.repo.layer_path(r.name) for r in cp.memory])
+            await machine.load_state(self.repo.layer_path(cp.device.name), timeout=self.restore_timeout_s)
+            undo.release()
+            return machine, str(disk_top)
+        except BaseException:
+            await undo.unwind()
+            raise
+
+
+def _base(base_dir: str) -> TemplateSnapshot:
+    base = TemplateSnapshot.load(Path(base_dir))
+    if base is None:
+        raise SnapshotUnusable(f"the template snapshot {base_dir} this state was taken on no longer "
+                               f"exists (its memory file is gone after a host restart?)")
+    return base
+
+
+def _write_spec(spec: MachineSpec) -> None:
+    tmp = spec.run_dir / "machine.json.tmp"
+    tmp.write_text(json.dumps(spec_to_json(spec)))
+    os.replace(tmp, spec.run_dir / "machine.json")
+
+
+async def _rewrite_spec(machine: Machine, *, disk: Path) -> None:
+    """Record the machine's new top overlay (a restart adopts and relaunches from this)."""
+    machine.spec = replace(machine.spec, disk=disk)
+    await asyncio.to_thread(_write_spec, machine.spec)

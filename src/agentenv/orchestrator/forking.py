@@ -1,0 +1,183 @@
+"""Named snapshots, fork, and starting sandboxes from saved states.
+
+Snapshot: ``running → snapshotting`` → checkpoint with the disk sealed (the sandbox goes on
+writing into a new overlay) → manifest published → ``running``. The snapshot outlives its
+source and a restart; ``create`` accepts its id or name in place of a template.
+
+Fork: ``running → forking`` → one checkpoint (disk sealed) → ``running`` → N children started
+concurrently from it. Each child gets a new id and token, its own network slot (same guest
+address), fresh entropy and the clock, and inherits memory, disk, env vars, metadata,
+auto-pause and the timeout length. Children map the same template memory file and read the
+same layers, so the host page cache holds them once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentenv.envd_client import EnvdClient, EnvdError
+from agentenv.errors import GuestError, InvalidRequest, SandboxStateError
+from agentenv.network import Slot
+from agentenv.orchestrator.cleanup import Cleanup
+from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
+from agentenv.orchestrator.lifecycle import State
+from agentenv.orchestrator.sandbox import LiveSandbox
+from agentenv.orchestrator.store import SandboxRecord
+from agentenv.storage import Checkpoint, remove_tree
+from agentenv.vmm import Machine
+
+if TYPE_CHECKING:
+    from agentenv.orchestrator.service import Orchestrator
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+@dataclass
+class Started:
+    machine: Machine
+    slot: Slot
+    envd: EnvdClient
+    disk: str
+
+
+async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_id: str, access_token: str,
+                                template: str, env_vars: dict[str, str], run_dir: Path,
+                                disk_top: Path | None = None) -> Started:
+    """Slot + QEMU restored to ``cp`` + the guest's identity (id, token, fresh entropy, the
+    clock). Undoes everything it made on failure; never touches the checkpoint."""
+    undo = Cleanup(f"start {sandbox_id}")
+    try:
+        slot = await orch.slots.acquire()
+        undo.add("slot", lambda: orch.slots.release(slot))
+        machine, disk = await orch.checkpoints.restore(cp, name=sandbox_id, run_dir=run_dir, slot=slot,
+                                                       disk_top=disk_top)
+        undo.add("machine", machine.kill)
+        envd = EnvdClient(slot.guest_url, access_token=cp.access_token)
+        undo.add("envd", envd.aclose)
+        timeout = orch.settings.restore_timeout_s
+        try:
+            await asyncio.wait_for(envd.init(sandbox_id=sandbox_id, template_id=template, env_vars=env_vars,
+                                             access_token=access_token), timeout)
+        except (EnvdError, asyncio.TimeoutError) as exc:
+            why = exc.message if isinstance(exc, EnvdError) else "no answer"
+            raise GuestError(f"sandbox {sandbox_id}: the guest agent did not answer within {timeout:.0f}s "
+                             f"after restore ({why})") from exc
+        undo.release()
+        return Started(machine, slot, envd, disk)
+    except BaseException:
+        await undo.unwind()
+        raise
+
+
+async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env_vars: dict[str, str],
+                       metadata: dict[str, str], timeout_s: int, auto_pause: bool) -> SandboxRecord:
+    """A new sandbox (new id, token, slot) from a checkpoint; registered once it answers."""
+    sandbox_id = new_sandbox_id()
+    token = new_access_token()
+    run_dir = orch.sandboxes_dir / sandbox_id
+    try:
+        started = await start_from_checkpoint(orch, cp, sandbox_id=sandbox_id, access_token=token,
+                                              template=template, env_vars=env_vars, run_dir=run_dir)
+    except BaseException:
+        await remove_tree(run_dir)
+        raise
+    now = time.time()
+    rec = SandboxRecord(
+        id=sandbox_id, template=template, state=State.RUNNING, vcpus=cp.vcpus, memory_mb=cp.memory_mb,
+        disk_mb=cp.disk_mb, started_at=now, end_at=now + timeout_s, access_token=token, run_dir=str(run_dir),
+        metadata=dict(metadata), env_vars={**cp.env_vars, **env_vars}, slot_index=started.slot.index,
+        base_dir=cp.base, disk_path=started.disk, origin=cp, auto_pause=auto_pause, timeout_s=timeout_s,
+    )
+    live = LiveSandbox(rec, started.machine, started.slot, started.envd)
+    orch._live[rec.id] = live
+    await orch.store.put(rec)
+    orch._watch(live)
+    return rec
+
+
+async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s: int | None,
+                               metadata: dict[str, str] | None, env_vars: dict[str, str] | None,
+                               auto_pause: bool) -> SandboxRecord:
+    cp = orch.repo.get(id_or_name)
+    if cp.kind != "snapshot":
+        raise InvalidRequest(f"'{id_or_name}' is not a snapshot or a template")
+    timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
+    orch.check_capacity()
+    return await _new_sandbox(orch, cp, template=cp.name or cp.id, env_vars=dict(env_vars or {}),
+                              metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
+                              auto_pause=auto_pause)
+
+
+async def _checkpoint(orch: Orchestrator, live: LiveSandbox, state: State, kind: str,
+                      name: str | None) -> Checkpoint:
+    """One checkpoint of a running sandbox, disk sealed; the sandbox keeps running."""
+    async with live.lock:
+        if live.record.state != State.RUNNING or live.machine is None:
+            raise SandboxStateError(live.id, live.record.state.value, "running")
+        await orch._transition(live, state)
+        machine = live.machine
+        try:
+            cp, _ = await orch.checkpoints.capture(live.record, machine, kind=kind, name=name, seal_disk=True,
+                                                   keep_running=True)
+        except BaseException as exc:
+            live.record = live.record.with_(disk_path=str(machine.spec.disk))
+            if machine.exited:
+                await orch._fail(live, f"QEMU exited during a {kind} ({exc!r})")
+            else:
+                await orch._transition(live, State.RUNNING)
+            raise
+        live.record = live.record.with_(disk_path=str(machine.spec.disk), state=State.RUNNING)
+        await orch.store.put(live.record)
+        return cp
+
+
+async def snapshot(orch: Orchestrator, sandbox_id: str, name: str | None) -> Checkpoint:
+    if name is not None:
+        if not SNAPSHOT_NAME.fullmatch(name):
+            raise InvalidRequest("snapshot name must be 1-64 letters, digits, '-' or '_', starting with a "
+                                 "letter or digit")
+        if orch.catalog.exists(name) or any(c.name == name for c in orch.repo.list("snapshot")):
+            raise InvalidRequest(f"the name '{name}' is already used by a template or snapshot; choose another "
+                                 "or delete that one first")
+    live = orch._require(sandbox_id, {State.RUNNING, State.SNAPSHOTTING, State.FORKING})
+    return await _checkpoint(orch, live, State.SNAPSHOTTING, "snapshot", name)
+
+
+async def fork(orch: Orchestrator, sandbox_id: str, count: int,
+               timeout_s: int | None) -> list[SandboxRecord | Exception]:
+    limit = orch.settings.max_fork
+    if not 1 <= count <= limit:
+        raise InvalidRequest(f"count must be between 1 and {limit}, got {count}")
+    live = orch._require(sandbox_id, {State.RUNNING, State.SNAPSHOTTING, State.FORKING})
+    if timeout_s is not None:
+        orch.validate_timeout(timeout_s)
+    orch.check_capacity(count)
+    t0 = time.perf_counter()
+    cp = await _checkpoint(orch, live, State.FORKING, "fork", None)
+    src = live.record
+    timeout = src.timeout_s if timeout_s is None else timeout_s
+    t1 = time.perf_counter()
+    results = await asyncio.gather(
+        *(_new_sandbox(orch, cp, template=src.template, env_vars={}, metadata=src.metadata, timeout_s=timeout,
+                       auto_pause=src.auto_pause) for _ in range(count)),
+        return_exceptions=True)
+    # The children's records pin the layers; the fork manifest itself is not kept.
+    orch.repo.delete(cp.id)
+    orch.schedule_gc()
+    out: list[SandboxRecord | Exception] = []
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, Exception):
+            raise r
+        out.append(r)
+    ok = sum(1 for r in out if isinstance(r, SandboxRecord))
+    log.info("fork of %s: checkpoint %.1f ms, %d/%d children in %.1f ms", sandbox_id, (t1 - t0) * 1e3, ok,
+             count, (time.perf_counter() - t1) * 1e3)
+    return out

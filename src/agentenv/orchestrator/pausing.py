@@ -1,0 +1,125 @@
+"""Pause and resume (and E2B's connect, which resumes when needed).
+
+Pause: ``running → pausing`` → checkpoint (memory layer + device state; the disk overlay
+stays where it is, no longer written) → ``paused`` with the checkpoint in the record → QEMU
+killed, network slot returned. The sandbox then holds no CPU and no guest RAM; its state is
+files in the repository plus its overlay. A failed capture (e.g. a full disk) continues the
+VM and returns the sandbox to ``running`` with the error.
+
+Resume: ``paused → resuming`` → new slot and QEMU, layers written, device state loaded, the
+guest told the clock and given fresh entropy → ``running``. A failed resume leaves it
+``paused`` (nothing lost: the checkpoint is untouched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentenv.errors import SandboxStateError
+from agentenv.orchestrator.forking import start_from_checkpoint
+from agentenv.orchestrator.lifecycle import State
+
+if TYPE_CHECKING:
+    from agentenv.orchestrator.service import Orchestrator
+    from agentenv.orchestrator.store import SandboxRecord
+
+log = logging.getLogger(__name__)
+
+
+async def pause(orch: Orchestrator, sandbox_id: str) -> SandboxRecord:
+    live = orch._require(sandbox_id, {State.RUNNING, State.PAUSING, State.PAUSED, State.SNAPSHOTTING,
+                                      State.FORKING})
+    async with live.lock:
+        if live.record.state == State.PAUSED:
+            raise SandboxStateError(sandbox_id, "paused", "running")
+        if live.record.state != State.RUNNING or live.machine is None:
+            raise SandboxStateError(sandbox_id, live.record.state.value, "running")
+        t0 = time.perf_counter()
+        await orch._transition(live, State.PAUSING)
+        machine = live.machine
+        try:
+            cp, _ = await orch.checkpoints.capture(live.record, machine, kind="pause", seal_disk=False,
+                                                   keep_running=False)
+        except BaseException as exc:
+            if machine.exited:
+                await orch._fail(live, f"QEMU exited while pausing ({exc!r})")
+            else:
+                await orch._transition(live, State.RUNNING)
+            raise
+        # Persist "paused" (with the checkpoint) before the VM is destroyed: a crash between
+        # the two leaves a paused record and a stopped QEMU that recovery kills.
+        live.record = live.record.with_(state=State.PAUSED, paused=cp, slot_index=None)
+        await orch.store.put(live.record)
+        live.machine = None  # the exit watcher must not read this as a crash
+        await machine.kill()
+        if live.envd:
+            await live.envd.aclose()
+            live.envd = None
+        if live.slot:
+            await orch.slots.release(live.slot)
+            live.slot = None
+        log.info("sandbox %s: paused in %.1f ms", sandbox_id, (time.perf_counter() - t0) * 1e3)
+        return live.record
+
+
+async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None) -> SandboxRecord:
+    live = orch._require(sandbox_id, {State.PAUSED, State.RESUMING, State.RUNNING, State.PAUSING})
+    async with live.lock:
+        if live.record.state != State.PAUSED or live.record.paused is None:
+            raise SandboxStateError(sandbox_id, live.record.state.value, "paused")
+        timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
+        orch.check_capacity()
+        cp = live.record.paused
+        await orch._transition(live, State.RESUMING)
+        rec = live.record
+        try:
+            started = await start_from_checkpoint(
+                orch, cp, sandbox_id=rec.id, access_token=rec.access_token, template=rec.template,
+                env_vars={}, run_dir=Path(rec.run_dir), disk_top=Path(cp.disk_top) if cp.disk_top else None)
+        except BaseException:
+            await orch._transition(live, State.PAUSED)
+            raise
+        live.machine, live.slot, live.envd = started.machine, started.slot, started.envd
+        live.record = rec.with_(state=State.RUNNING, origin=cp, paused=None, slot_index=started.slot.index,
+                                disk_path=started.disk, end_at=time.time() + timeout, timeout_s=timeout)
+        await orch.store.put(live.record)
+        orch._watch(live)
+        # The record pins the layers now; the pause manifest is no longer needed.
+        orch.repo.delete(cp.id)
+        orch.schedule_gc()
+        return live.record
+
+
+async def connect(orch: Orchestrator, sandbox_id: str, timeout_s: int | None) -> tuple[SandboxRecord, bool]:
+    live = orch._require(sandbox_id, {State.RUNNING, State.PAUSED, State.PAUSING, State.RESUMING,
+                                      State.SNAPSHOTTING, State.FORKING})
+    async with live.lock:  # wait for a transition in progress to finish
+        state = live.record.state
+    if state == State.RUNNING:
+        if timeout_s is not None:
+            orch.validate_timeout(timeout_s)
+            end = max(live.record.end_at, time.time() + timeout_s)
+            if end != live.record.end_at:
+                live.record = live.record.with_(end_at=end)
+                await orch.store.put(live.record)
+        return live.record, False
+    return await resume(orch, sandbox_id, timeout_s), True
+
+
+async def pause_all(orch: Orchestrator) -> None:
+    """Server shutdown with AENV_PAUSE_ON_STOP: pause every running sandbox (two at a time)."""
+    sem = asyncio.Semaphore(2)
+
+    async def one(sid: str) -> None:
+        async with sem:
+            try:
+                await pause(orch, sid)
+            except Exception:  # noqa: BLE001 — keep pausing the others; it stays running
+                log.exception("could not pause %s at shutdown; it is left running", sid)
+
+    running = [live.id for live in orch._live.values() if live.record.state == State.RUNNING]
+    await asyncio.gather(*(one(sid) for sid in running))

@@ -1,0 +1,424 @@
+"""Memory layers: the guest RAM pages a sandbox changed, copied out of its QEMU process.
+
+A sandbox's RAM is a private (copy-on-write) mapping of its template's memory file, so the
+pages it changed are exactly the *anonymous* pages of that mapping; untouched pages are still
+the file's page-cache pages. The kernel lists them for us (``PAGEMAP_SCAN`` on
+``/proc/PID/pagemap``, Linux ≥ 6.7, with a plain pagemap read as the fallback) as coalesced
+page ranges, and ``process_vm_readv`` copies them out in bulk. Restoring is the reverse:
+``process_vm_writev`` of every layer's pages into a new QEMU's mapping before its device state
+is loaded (qemu-microvm-notes.md §8).
+
+A layer file is written in one pass as ``header | page data | runs``:
+
+    0       header: magic "AENVMEM1", page size, mapping size in bytes, run count,
+            offset of the runs table (5 × u64), padded to one page; written last
+    4096    the pages of all runs, in order (page-aligned, so the file maps cleanly)
+    runs    (first page index, page count) per run (2 × u64 each)
+
+Its checksum (xxh3-128, also its content address) covers the bytes from offset 4096 to the end,
+then the header.
+
+Layers stack: base memory file → L1 → L2 … A later layer's page wins. After a resume every
+restored page is private again, so a capture *compares* what it finds with the chain it came
+from and writes only pages whose content changed: storage stays incremental even though
+the kernel cannot tell us what was written since the resume (no soft-dirty on these hosts).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import fcntl
+import mmap
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import xxhash
+
+from agentenv.errors import DiskFull, StorageError
+
+PAGE = 4096
+MAGIC = b"AENVMEM1"
+_HEADER = struct.Struct("<8sQQQQ")
+_RUN = struct.Struct("<QQ")
+_CHUNK = 4 << 20  # copy buffer: bounded memory whatever the layer size
+_IOV_MAX = 1024
+
+# PAGEMAP_SCAN (linux/fs.h): categories and the ioctl number _IOWR('f', 16, struct pm_scan_arg)
+_PAGE_IS_FILE = 1 << 2
+_PAGE_IS_PRESENT = 1 << 3
+_PAGE_IS_SWAPPED = 1 << 4
+_PAGEMAP_SCAN = 0xC0606610
+
+
+class _PmScanArg(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages",
+        "category_inverted", "category_mask", "category_anyof_mask", "return_mask")]
+
+
+class _PageRegion(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_libc.process_vm_writev.restype = ctypes.c_ssize_t
+for _f in (_libc.process_vm_readv, _libc.process_vm_writev):
+    _f.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
+                   ctypes.c_ulong, ctypes.c_ulong]
+
+
+Run = tuple[int, int]  # (first page index, page count) within the RAM mapping
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What a capture wrote: its checksum (xxh3-128 of the file, also its content address),
+    size and how many pages it holds."""
+
+    path: Path
+    digest: str
+    size: int
+    pages: int
+
+
+# -- finding the pages ---------------------------------------------------------------------
+
+
+def ram_mapping(pid: int, mem_path: Path) -> tuple[int, int]:
+    """Start and end address of QEMU's private mapping of ``mem_path`` (the guest RAM)."""
+    target = str(mem_path)
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].rstrip("\n") == target and parts[1].startswith("rw"):
+                    lo, hi = parts[0].split("-")
+                    return int(lo, 16), int(hi, 16)
+    except OSError as exc:
+        raise StorageError(f"cannot read the memory map of QEMU {pid}: {exc}") from exc
+    raise StorageError(f"QEMU {pid} has no writable mapping of {target}")
+
+
+def private_runs(pid: int, start: int, end: int) -> list[Run]:
+    """The changed (anonymous: present or swapped, not file-backed) pages of [start, end)."""
+    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
+    try:
+        try:
+            return _scan_ioctl(fd, start, end)
+        except OSError:
+            return _scan_pagemap(fd, start, end)  # kernel without PAGEMAP_SCAN
+    finally:
+        os.close(fd)
+
+
+def _scan_ioctl(fd: int, start: int, end: int) -> list[Run]:
+    vec = (_PageRegion * 4096)()
+    runs: list[Run] = []
+    addr = start
+    while addr < end:
+        arg = _PmScanArg(size=ctypes.sizeof(_PmScanArg), start=addr, end=end,
+                         vec=ctypes.addressof(vec), vec_len=len(vec),
+                         category_inverted=_PAGE_IS_FILE, category_mask=_PAGE_IS_FILE,
+                         category_anyof_mask=_PAGE_IS_PRESENT | _PAGE_IS_SWAPPED,
+                         return_mask=_PAGE_IS_FILE)
+        n = fcntl.ioctl(fd, _PAGEMAP_SCAN, arg)
+        for r in vec[:n]:
+            first, count = (r.start - start) // PAGE, (r.end - r.start) // PAGE
+            if runs and runs[-1][0] + runs[-1][1] == first:
+                runs[-1] = (runs[-1][0], runs[-1][1] + count)
+            else:
+                runs.append((first, count))
+        if arg.walk_end <= addr or n < len(vec):
+            break
+        addr = arg.walk_end
+    return runs
+
+
+def _scan_pagemap(fd: int, start: int, end: int) -> list[Run]:
+    npages = (end - start) // PAGE
+    data = os.pread(fd, npages * 8, (start // PAGE) * 8)
+    runs: list[Run] = []
+    for i, (e,) in enumerate(struct.iter_unpack("<Q", data)):
+        if (e >> 62) & 3 and not (e >> 61) & 1:  # present or swapped, not file/shared
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+    return runs
+
+
+# -- moving pages in and out of a process -----------------------------------------------------
+
+
+def _transfer(fn: ctypes._CFuncPtr, pid: int, local: Sequence[tuple[int, int]],
+              remote: Sequence[tuple[int, int]]) -> None:
+    """One process_vm_{read,write}v over matching lists of (address, length)."""
+    total = sum(n for _, n in remote)
+    lv = (_IoVec * len(local))(*[_IoVec(a, n) for a, n in local])
+    rv = (_IoVec * len(remote))(*[_IoVec(a, n) for a, n in remote])
+    done = fn(pid, lv, len(local), rv, len(remote), 0)
+    if done != total:
+        err = ctypes.get_errno()
+        raise StorageError(f"copying guest memory of QEMU {pid} failed after {max(done, 0)} of {total} "
+                           f"bytes: {os.strerror(err) if err else 'short transfer'}")
+
+
+def _pieces(runs: Sequence[Run], chunk_pages: int) -> Iterator[list[Run]]:
+    """Split runs into batches of at most ``chunk_pages`` pages and _IOV_MAX runs."""
+    batch: list[Run] = []
+    room = chunk_pages
+    for first, count in runs:
+        while count:
+            take = min(count, room)
+            batch.append((first, take))
+            first, count, room = first + take, count - take, room - take
+            if room == 0 or len(batch) == _IOV_MAX:
+                yield batch
+                batch, room = [], chunk_pages
+    if batch:
+        yield batch
+
+
+# -- layers -------------------------------------------------------------------------------------
+
+
+class LayerFile:
+    """A sealed layer, mapped read-only: its runs and a view of its page data."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            try:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            except ValueError as exc:  # empty file
+                raise StorageError(f"memory layer {path.name} is empty") from exc
+        if len(self._map) < PAGE:
+            raise StorageError(f"memory layer {path.name} is truncated")
+        magic, page, self.mapping_size, nruns, runs_at = _HEADER.unpack_from(self._map, 0)
+        if magic != MAGIC or page != PAGE:
+            raise StorageError(f"{path.name} is not a memory layer")
+        if runs_at + nruns * _RUN.size != len(self._map):
+            raise StorageError(f"memory layer {path.name} is truncated")
+        self.runs: list[Run] = [_RUN.unpack_from(self._map, runs_at + i * _RUN.size) for i in range(nruns)]
+        self.data_offset = PAGE
+        self.pages = sum(c for _, c in self.runs)
+        if PAGE + self.pages * PAGE != runs_at:
+            raise StorageError(f"memory layer {path.name} is inconsistent")
+        self._cbuf: ctypes.c_char | None = ctypes.c_char.from_buffer(self._map)
+        self.address = ctypes.addressof(self._cbuf)
+        self._view = memoryview(self._map)
+
+    def close(self) -> None:
+        """Unmap. Every view of the data handed out must be dropped before."""
+        self._cbuf = None
+        self._view.release()
+        self._map.close()
+
+    def page_index(self) -> dict[int, int]:
+        """page number → byte offset of its data in this file."""
+        out: dict[int, int] = {}
+        off = self.data_offset
+        for first, count in self.runs:
+            for p in range(first, first + count):
+                out[p] = off
+                off += PAGE
+        return out
+
+    def view(self) -> memoryview:
+        return self._view
+
+
+def capture(pid: int, mem_path: Path, out: Path, chain: Sequence[Path] = ()) -> LayerInfo:
+    """Write the changed pages of QEMU ``pid``'s RAM to ``out`` (the VM must be stopped).
+
+    With a ``chain`` (the layers this sandbox was restored from, oldest first), pages whose
+    content equals what the chain already holds are left out. Runs in a worker thread; a full
+    disk raises DiskFull and leaves no file.
+    """
+    start, end = ram_mapping(pid, mem_path)
+    runs = private_runs(pid, start, end)
+    layers = [LayerFile(p) for p in chain]
+    try:
+        known: dict[int, tuple[memoryview, int]] = {}
+        for layer in layers:
+            v = layer.view()
+            for page, off in layer.page_index().items():
+                known[page] = (v, off)
+        try:
+            return _write_layer(pid, start, end - start, runs, out, known)
+        finally:
+            known.clear()
+    except OSError as exc:
+        out.unlink(missing_ok=True)
+        if exc.errno == 28:
+            raise DiskFull(f"no space left on {out.parent} for the memory layer; free disk space") from exc
+        raise StorageError(f"cannot write memory layer {out}: {exc}") from exc
+    finally:
+        for layer in layers:
+            layer.close()
+
+
+def _write_layer(pid: int, start: int, size: int, runs: list[Run], out: Path,
+                 known: dict[int, tuple[memoryview, int]]) -> LayerInfo:
+    """Copy out of QEMU into one buffer while the previous buffer is written (a two-stage
+    pipeline: both copies release the GIL, and the VM is stopped, so its CPU is free)."""
+    pair = _buffers()
+    views = [p[0] for p in pair]
+    addrs = [p[1] for p in pair]
+    try:
+        return _pipeline(pid, start, size, runs, out, known, views, addrs)
+    finally:
+        _spare.append(pair)
+
+
+_spare: list[list[tuple[memoryview, int]]] = []
+
+
+def _buffers() -> list[tuple[memoryview, int]]:
+    """Two copy buffers, kept between captures: a fresh buffer costs a page fault per page on
+    first use, which on a virtualised host is as slow as the copy itself."""
+    try:
+        return _spare.pop()
+    except IndexError:
+        out = []
+        for _ in range(2):
+            b = bytearray(b"\1" * _CHUNK)  # touched now, not during a pause
+            out.append((memoryview(b), ctypes.addressof(ctypes.c_char.from_buffer(b))))
+        return out
+
+
+def _pipeline(pid: int, start: int, size: int, runs: list[Run], out: Path,
+              known: dict[int, tuple[memoryview, int]], views: list[memoryview], addrs: list[int]) -> LayerInfo:
+    kept: list[Run] = []
+    digest = xxhash.xxh3_128()
+
+    def emit(f: BinaryIO, data: memoryview) -> None:
+        f.write(data)
+        digest.update(data)
+
+    with open(out, "wb") as f, ThreadPoolExecutor(1) as writer:
+        f.seek(PAGE)
+        pending: Future[None] | None = None
+        for i, batch in enumerate(_pieces(runs, _CHUNK // PAGE)):
+            view, addr = views[i % 2], addrs[i % 2]
+            nbytes = sum(c for _, c in batch) * PAGE
+            _transfer(_libc.process_vm_readv, pid, [(addr, nbytes)],
+                      [(start + first * PAGE, count * PAGE) for first, count in batch])
+            if pending is not None:
+                pending.result()
+            if not known:
+                kept.extend(batch)
+                pending = writer.submit(emit, f, view[:nbytes])
+                continue
+            pending = None
+            off = 0
+            for first, count in batch:
+                for p in range(first, first + count):
+                    page = view[off:off + PAGE]
+                    old = known.get(p)
+                    if old is None or old[0][old[1]:old[1] + PAGE] != page:
+                        emit(f, page)
+                        kept.append((p, 1))
+                    off += PAGE
+        if pending is not None:
+            pending.result()
+        return _seal(f, digest, size, _merge(kept), out)
+
+
+def _seal(f: BinaryIO, digest: xxhash.xxh3_128, size: int, runs: list[Run], out: Path) -> LayerInfo:
+    """Append the runs table, then write the header (last, so a torn file never parses)."""
+    runs_at = f.tell()
+    table = b"".join(_RUN.pack(*r) for r in runs)
+    f.write(table)
+    digest.update(table)
+    head = _HEADER.pack(MAGIC, PAGE, size, len(runs), runs_at)
+    digest.update(head)
+    f.seek(0)
+    f.write(head)
+    return LayerInfo(out, digest.hexdigest(), runs_at + len(table), sum(c for _, c in runs))
+
+
+def _merge(runs: list[Run]) -> list[Run]:
+    out: list[Run] = []
+    for first, count in runs:
+        if out and out[-1][0] + out[-1][1] == first:
+            out[-1] = (out[-1][0], out[-1][1] + count)
+        else:
+            out.append((first, count))
+    return out
+
+
+def restore(pid: int, mem_path: Path, chain: Sequence[Path]) -> int:
+    """Write every layer's pages into QEMU ``pid``'s RAM, oldest first (a later page wins).
+    Must run before the device state is loaded. Returns the number of pages written."""
+    start, end = ram_mapping(pid, mem_path)
+    written = 0
+    for path in chain:
+        layer = LayerFile(path)
+        try:
+            if layer.mapping_size != end - start:
+                raise StorageError(f"memory layer {path.name} is for {layer.mapping_size >> 20} MiB of RAM, "
+                                   f"the machine has {(end - start) >> 20} MiB")
+            off = layer.address + layer.data_offset
+            for batch in _pieces(layer.runs, _CHUNK // PAGE):
+                nbytes = sum(c for _, c in batch) * PAGE
+                _transfer(_libc.process_vm_writev, pid, [(off, nbytes)],
+                          [(start + f * PAGE, c * PAGE) for f, c in batch])
+                off += nbytes
+            written += layer.pages
+        finally:
+            layer.close()
+    return written
+
+
+def compact(chain: Sequence[Path], out: Path) -> LayerInfo:
+    """Merge a chain into one layer holding the newest version of every page."""
+    layers = [LayerFile(p) for p in chain]
+    try:
+        pages: dict[int, tuple[memoryview, int]] = {}
+        for layer in layers:
+            v = layer.view()
+            for page, off in layer.page_index().items():
+                pages[page] = (v, off)
+        order = sorted(pages)
+        digest = xxhash.xxh3_128()
+        with open(out, "wb") as f:
+            f.seek(PAGE)
+            for p in order:
+                v, off = pages[p]
+                f.write(v[off:off + PAGE])
+                digest.update(v[off:off + PAGE])
+            info = _seal(f, digest, layers[-1].mapping_size, _merge([(p, 1) for p in order]), out)
+        pages.clear()
+        return info
+    except OSError as exc:
+        out.unlink(missing_ok=True)
+        raise StorageError(f"cannot compact memory layers into {out}: {exc}") from exc
+    finally:
+        for layer in layers:
+            layer.close()
+
+
+def file_digest(path: Path) -> str:
+    """xxh3-128 of a file, as recorded for every layer (the repository verifies with it)."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        f.seek(PAGE)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+        f.seek(0)
+        h.update(f.read(_HEADER.size))
+    return h.hexdigest()

@@ -1,0 +1,259 @@
+"""The snapshot repository: immutable layer files plus one manifest per checkpoint.
+
+``posix_fs`` backend (a local or shared filesystem); the interface is what an object-storage
+backend will implement later::
+
+    <root>/layers/mem-<xxh3>      memory layer, named by its checksum (content-addressed)
+    <root>/layers/dev-<xxh3>      device state, named by its checksum
+    <root>/layers/disk-<id>.qcow2 sealed disk layer; its qcow2 header names its parent layer
+    <root>/manifests/<id>.json    one per checkpoint, written atomically (temp + fsync + rename)
+    <root>/staging/               files being written; removed by recovery and GC
+
+Nothing is ever modified in place. A layer is referenced by manifests and by the sandboxes
+running on it (their records, passed to ``gc`` as pins); ``gc`` deletes a layer only when
+nothing references it, so deleting a snapshot or a sandbox never removes a layer another one
+uses. References are counted from the manifests themselves, not kept in a separate counter
+that a crash could leave wrong.
+
+Disk layers are not content-hashed: a sealed overlay is unique by construction and hashing a
+GiB would put seconds on the snapshot path. Their size is recorded and checked instead; memory
+and device layers are verified against their checksum before every restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import filecmp
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from agentenv.errors import SnapshotNotFound, SnapshotUnusable, StorageError
+from agentenv.storage.memory_layers import file_digest
+
+log = logging.getLogger(__name__)
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+@dataclass(frozen=True)
+class LayerRef:
+    name: str
+    size: int
+    digest: str = ""  # xxh3-128; empty for disk layers (size-checked only)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Everything needed to start a sandbox from a saved state.
+
+    ``kind``: ``snapshot`` (named, listed, launchable as a template), ``pause`` (the saved state
+    of one paused sandbox) or ``fork`` (the checkpoint children of one fork start from).
+    The memory chain is relative to the template snapshot in ``base`` (its memory file);
+    ``base_created_at`` identifies that exact build of it.
+    """
+
+    id: str
+    kind: str
+    template: str
+    base: str
+    base_created_at: float
+    vcpus: int
+    memory_mb: int
+    disk_mb: int
+    memory: tuple[LayerRef, ...]
+    device: LayerRef
+    disk: tuple[LayerRef, ...]  # sealed layers, oldest first, over the template's disk
+    disk_top: str | None = None  # pause: the sandbox's own overlay, resumed in place
+    name: str | None = None
+    source_sandbox: str | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    access_token: str | None = None  # the guest's token when the state was saved
+    created_at: float = 0.0
+
+    def layer_names(self) -> set[str]:
+        return {r.name for r in (*self.memory, self.device, *self.disk)}
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> Checkpoint:
+        d = dict(d)
+        d["memory"] = tuple(LayerRef(**x) for x in d["memory"])  # type: ignore[arg-type, union-attr]
+        d["disk"] = tuple(LayerRef(**x) for x in d["disk"])  # type: ignore[arg-type, union-attr]
+        d["device"] = LayerRef(**d["device"])  # type: ignore[arg-type]
+        return cls(**d)  # type: ignore[arg-type]
+
+    def with_(self, **changes: object) -> Checkpoint:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def new_checkpoint_id() -> str:
+    return uuid.uuid4().hex[:20]
+
+
+class SnapshotRepository:
+    """posix_fs repository. Blocking file work runs off the event loop; ``lock`` serialises
+    writers with the garbage collector (a layer imported for a manifest not yet written must
+    not be collected)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.layers = root / "layers"
+        self.manifests = root / "manifests"
+        self.staging = root / "staging"
+        for d in (self.layers, self.manifests, self.staging):
+            d.mkdir(parents=True, exist_ok=True)
+        self.lock = asyncio.Lock()
+
+    # -- layers ---------------------------------------------------------------------------
+
+    def staging_path(self, hint: str) -> Path:
+        return self.staging / f"{uuid.uuid4().hex[:12]}-{hint}"
+
+    def layer_path(self, name: str) -> Path:
+        return self.layers / name
+
+    def import_layer(self, tmp: Path, kind: str, digest: str) -> LayerRef:
+        """Move a finished staging file in under its content address. An identical layer
+        already stored is reused (and compared byte for byte: the name is a 128-bit
+        non-cryptographic hash, so a collision must not be able to alias two states)."""
+        size = tmp.stat().st_size
+        name = f"{kind}-{digest}"
+        n = 0
+        while True:
+            dest = self.layers / (name if n == 0 else f"{name}.{n}")
+            if not dest.exists():
+                os.replace(tmp, dest)
+                break
+            if dest.stat().st_size == size and filecmp.cmp(dest, tmp, shallow=False):
+                tmp.unlink()
+                break
+            n += 1
+        return LayerRef(dest.name, size, digest)
+
+    def link_disk(self, overlay: Path) -> LayerRef:
+        """Seal a stopped sandbox's overlay into the repository (a hard link: the running
+        QEMU keeps reading it as its backing file, and the link outlives the sandbox)."""
+        name = f"disk-{uuid.uuid4().hex[:16]}.qcow2"
+        dest = self.layers / name
+        os.link(overlay, dest)
+        os.chmod(dest, 0o444)
+        return LayerRef(name, dest.stat().st_size)
+
+    def verify(self, cp: Checkpoint) -> None:
+        """Refuse a checkpoint whose layers are missing, truncated or fail their checksum."""
+        for ref in (*cp.memory, cp.device, *cp.disk):
+            p = self.layers / ref.name
+            try:
+                size = p.stat().st_size
+            except OSError:
+                raise SnapshotUnusable(f"snapshot {cp.name or cp.id}: layer {ref.name} is missing "
+                                       f"from {self.layers}") from None
+            if size != ref.size:
+                raise SnapshotUnusable(f"snapshot {cp.name or cp.id}: layer {ref.name} has {size} bytes, "
+                                       f"expected {ref.size} (truncated or replaced)")
+            if ref.digest and file_digest(p) != ref.digest:
+                raise SnapshotUnusable(f"snapshot {cp.name or cp.id}: layer {ref.name} fails its checksum "
+                                       f"(corrupt); delete the snapshot")
+
+    # -- manifests ------------------------------------------------------------------------
+
+    def put(self, cp: Checkpoint) -> None:
+        """Publish a manifest atomically: readers see the old one or the complete new one."""
+        tmp = self.staging / f"{cp.id}.json.tmp"
+        with open(tmp, "w") as f:
+            json.dump(cp.to_json(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.manifests / f"{cp.id}.json")
+        dfd = os.open(self.manifests, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def get(self, id_or_name: str) -> Checkpoint:
+        if not NAME_RE.fullmatch(id_or_name):
+            raise SnapshotNotFound(id_or_name)
+        p = self.manifests / f"{id_or_name}.json"
+        if p.exists():
+            try:
+                return Checkpoint.from_json(json.loads(p.read_text()))
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                raise SnapshotUnusable(f"snapshot {id_or_name}: unreadable manifest ({exc})") from exc
+        for cp in self.list():
+            if cp.name == id_or_name and cp.kind == "snapshot":
+                return cp
+        raise SnapshotNotFound(id_or_name)
+
+    def exists(self, id_or_name: str) -> bool:
+        try:
+            self.get(id_or_name)
+            return True
+        except SnapshotNotFound:
+            return False
+
+    def list(self, kind: str | None = None) -> list[Checkpoint]:
+        out = []
+        for p in self.manifests.glob("*.json"):
+            try:
+                cp = Checkpoint.from_json(json.loads(p.read_text()))
+            except (OSError, ValueError, TypeError, KeyError):
+                log.warning("unreadable manifest %s skipped", p)
+                continue
+            if kind is None or cp.kind == kind:
+                out.append(cp)
+        return sorted(out, key=lambda c: c.created_at, reverse=True)
+
+    def delete(self, cp_id: str) -> None:
+        (self.manifests / f"{cp_id}.json").unlink(missing_ok=True)
+
+    # -- garbage collection ---------------------------------------------------------------
+
+    def gc(self, pins: Iterable[str] = (), staging_older_than: float = 0.0) -> list[str]:
+        """Delete layers that no manifest and no pin references, and staging leftovers older
+        than ``staging_older_than`` seconds. Caller holds ``lock``."""
+        keep = set(pins)
+        for cp in self.list():
+            keep |= cp.layer_names()
+        removed = []
+        for p in self.layers.iterdir():
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+                removed.append(p.name)
+        now = time.time()
+        for p in self.staging.iterdir():
+            try:
+                if now - p.stat().st_mtime >= staging_older_than:
+                    p.unlink(missing_ok=True)
+            except OSError:
+                continue
+        if removed:
+            log.info("repository gc removed %d unreferenced layers", len(removed))
+        return removed
+
+    def usage(self) -> tuple[int, int]:
+        """(layer count, bytes) for status displays."""
+        sizes = [p.stat().st_size for p in self.layers.iterdir()]
+        return len(sizes), sum(sizes)
+
+
+def check_writable(path: Path) -> None:
+    """Fail early with a clear message when the repository's disk cannot take a file."""
+    try:
+        st = os.statvfs(path)
+    except OSError as exc:
+        raise StorageError(f"snapshot repository {path} is not accessible: {exc}") from exc
+    if st.f_bavail * st.f_frsize < 1 << 20:
+        from agentenv.errors import DiskFull
+
+        raise DiskFull(f"no space left on {path} for snapshot layers; free disk space")
