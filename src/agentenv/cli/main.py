@@ -13,7 +13,18 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from agentenv.cli import auth, bench, doctor, execute, files, sandbox, server, template
+from agentenv.cli import (
+    auth,
+    bench,
+    doctor,
+    execute,
+    files,
+    sandbox,
+    saved,
+    server,
+    snapshot,
+    template,
+)
 from agentenv.cli.context import CliError, Globals
 from agentenv.cli.output import OutputFormat
 from agentenv.errors import AgentenvError
@@ -82,6 +93,12 @@ app.command("timeout")(sandbox.set_timeout)
 app.command("rm")(sandbox.rm)
 app.command("upload")(files.upload)
 app.command("download")(files.download)
+# Saved states
+app.command("pause")(saved.pause)
+app.command("resume")(saved.resume)
+app.add_typer(snapshot.app, name="snapshot")
+app.command("fork")(saved.fork)
+# Templates and measurements
 app.add_typer(template.app, name="template")
 app.command("bench")(bench.bench)
 

@@ -1,4 +1,4 @@
-"""Sandbox lifecycle commands: start, ls, timeout, rm.
+"""Sandbox lifecycle commands: start, ls, timeout, rm (pause, resume and fork are in saved.py).
 
 Each is one or two API calls; the only logic here is shaping options into request bodies and
 answers into a table (or JSON when piped).
@@ -33,7 +33,8 @@ CREATE_TIMEOUT = 600.0  # a cold boot under TCG takes minutes; the server enforc
 
 def start(
     ctx: typer.Context,
-    template: Annotated[str, typer.Argument(metavar="TEMPLATE", help="Template to start from.")] = "base",
+    template: Annotated[str, typer.Argument(metavar="TEMPLATE", help="Template (or snapshot id or name) "
+                                            "to start from.")] = "base",
     timeout: Annotated[int | None, typer.Option("--timeout", help="Seconds until the sandbox is killed "
                                                 "(server default 300).", show_default=False)] = None,
     cpu: Annotated[int | None, typer.Option("--cpu", help="vCPUs (default: the template's).",
@@ -103,7 +104,7 @@ def _remaining(ts: str) -> str:
 
 def _state(row: dict[str, Any]) -> Text:
     state = row.get("state", "")
-    style = {"running": "green", "error": "red", "creating": "yellow", "killing": "yellow"}.get(state)
+    style = {"running": "green", "error": "red", "paused": "blue"}.get(state, "yellow")  # yellow: in transition
     text = Text(state, style=style or "")
     if row.get("error"):
         text.append(f" ({row['error']})")
@@ -125,7 +126,8 @@ SANDBOX_COLUMNS = [
 def ls(
     ctx: typer.Context,
     state: Annotated[str | None, typer.Option("--state", help="Comma-separated states: creating, running, "
-                                              "killing, error.", show_default=False)] = None,
+                                              "paused, pausing, resuming, snapshotting, forking, killing, "
+                                              "error.", show_default=False)] = None,
     metadata: Annotated[list[str] | None, typer.Option("--metadata", "-m", metavar="K=V",
                                                        help="Only sandboxes with this metadata (repeatable).")] = None,
     output: OutputOption = None,
