@@ -23,7 +23,8 @@ from agentenv.cli.output import OutputFormat, choose_format
 from .conftest import Answer
 
 COMMANDS = ["serve", "setup", "doctor", "auth", "start", "exec", "ls", "timeout", "rm", "upload", "download",
-            "template", "template ls", "bench"]
+            "pause", "resume", "snapshot", "snapshot create", "snapshot ls", "snapshot rm", "fork", "template",
+            "template ls", "bench"]
 
 SANDBOX = {"templateID": "base", "sandboxID": "sb1", "alias": "base", "startedAt": "2030-01-01T00:00:00Z",
            "endAt": "2030-01-01T00:05:00Z", "cpuCount": 2, "memoryMB": 512, "diskSizeMB": 4096,
