@@ -83,7 +83,7 @@ def fork(
     if timeout is not None:
         body["timeout"] = timeout
     with client_for(ctx) as client:
-        with status(f"Forking sandbox {sandbox_id} into {count}…"):
+        with status(f"Forking sandbox {sandbox_id} ({count} {'copy' if count == 1 else 'copies'})…"):
             items = client.call("POST", f"/sandboxes/{sandbox_id}/fork", json=body, timeout=CREATE_TIMEOUT)
     rows = [{"child": i, **item} for i, item in enumerate(items, 1)]
     render(choose_format(ctx, output), rows, FORK_COLUMNS, empty="no copies", json_data=items)
