@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 
@@ -293,3 +294,16 @@ def test_a_whole_session(cli, states):
     assert sorted(res.stdout.split()) == sorted([sid, *children, again])
     assert cli("snapshot", "rm", "ready").exit_code == 0
     assert json.loads(cli("snapshot", "ls").stdout) == []
+
+
+def test_stub_connect_route_answers_like_the_server(stub, states):
+    """No command uses connect yet (an interactive `aenv connect` may come); its stub route is checked here."""
+    running, paused = states.add(), states.add(state="paused")
+    with httpx.Client(base_url=stub.url) as http:
+        was_running = http.post(f"/sandboxes/{running}/connect", json={"timeout": 60})
+        resumed = http.post(f"/sandboxes/{paused}/connect", json={"timeout": 60})
+        missing = http.post("/sandboxes/nope/connect", json={})
+    assert (was_running.status_code, was_running.json()["sandboxID"]) == (200, running)
+    assert (resumed.status_code, resumed.json()["sandboxID"]) == (201, paused)
+    assert states.sandboxes[paused]["state"] == "running"
+    assert missing.status_code == 404 and missing.json() == {"code": 404, "message": "sandbox 'nope' not found"}
