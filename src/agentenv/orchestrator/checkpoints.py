@@ -131,6 +131,7 @@ class Checkpointer:
                 t3 = time.perf_counter()
                 await asyncio.to_thread(self.repo.put, cp)
                 t4 = time.perf_counter()
+                await self._crash_point(f"{kind}_after_publish")
                 undo.release()
                 completed = True
             log.info("%s of %s: %d pages, VM stopped %.1f ms (before memory %.1f, memory %.1f, device+import "
@@ -165,6 +166,7 @@ class Checkpointer:
         """A running machine in the state of ``cp``; returns it and its disk overlay.
         ``disk_top`` resumes a paused sandbox on its own overlay; otherwise a new overlay
         is made over the checkpoint's sealed disk."""
+        t0 = time.perf_counter()
         await asyncio.to_thread(self.repo.verify, cp)
         base = _base(cp.base)
         if base.created_at != cp.base_created_at:
@@ -186,11 +188,17 @@ class Checkpointer:
                 device_state_only=True, netns=slot.netns, tb_size_mb=self.tb_size_mb, **guest_link_spec(),
             )
             _write_spec(spec)
+            t1 = time.perf_counter()
             machine = await Machine.launch(spec)
             undo.add("machine", machine.kill)
-            await asyncio.to_thread(ml.restore, machine.pid, base.mem_file,
-                                    [self.repo.layer_path(r.name) for r in cp.memory])
+            t2 = time.perf_counter()
+            pages = await asyncio.to_thread(ml.restore, machine.pid, base.mem_file,
+                                            [self.repo.layer_path(r.name) for r in cp.memory])
+            t3 = time.perf_counter()
             await machine.load_state(self.repo.layer_path(cp.device.name), timeout=self.restore_timeout_s)
+            log.info("restore %s: verify+disk %.1f ms, launch %.1f ms, %d pages %.1f ms, device state %.1f ms",
+                     name, (t1 - t0) * 1e3, (t2 - t1) * 1e3, pages, (t3 - t2) * 1e3,
+                     (time.perf_counter() - t3) * 1e3)
             undo.release()
             return machine, str(disk_top)
         except BaseException:

@@ -1,0 +1,181 @@
+"""Data safety of pause, snapshot and fork: the server SIGKILLed at injected crash points,
+shutdown with pause-on-stop, a paused sandbox across a crash, a full disk while pausing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import run
+from tests.e2e.test_saved_states import COUNTER, counter, state
+from tests.framework import host
+from tests.framework.net import node_cidr
+from tests.framework.server import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One node restarted by every test here, with a different AENV_FAULTS each time."""
+    s = ServerProcess(tmp_path_factory.mktemp("crash") / "data", node_cidr(20), AENV_POOL_SIZE="0")
+    s.start()
+    yield s
+    if s.proc is None:
+        s.env["AENV_FAULTS"] = ""
+        s.start()
+    s.kill_all()
+
+
+def restart(node: ServerProcess, *, faults: str = "", sig: int = signal.SIGKILL, **env: str) -> None:
+    if node.proc is not None:
+        node.stop(sig)
+    node.env.update({"AENV_FAULTS": faults, **env})
+    node.start()
+
+
+def wait_for_log(node: ServerProcess, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in node.log.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"server never logged {text!r}")
+
+
+def busy_sandbox(api: httpx.Client) -> str:
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 900}).json()["sandboxID"]
+    run(api, sid, COUNTER)
+    run(api, sid, "echo before > /home/user/f.txt; head -c 4194304 /dev/urandom > /dev/shm/r")
+    return sid
+
+
+def repository_is_clean(node: ServerProcess) -> None:
+    repo = node.data_dir / "repository"
+    assert list((repo / "staging").iterdir()) == [], "unpublished files left in staging"
+
+
+@pytest.mark.parametrize("point, route, body", [
+    ("pause_before_publish", "pause", {}),
+    ("pause_after_publish", "pause", {}),
+    ("snapshot_after_disk", "snapshots", {"name": "crashed"}),
+    ("snapshot_before_publish", "snapshots", {"name": "crashed"}),
+    ("fork_before_publish", "fork", {"count": 2}),
+])
+def test_server_killed_mid_operation_keeps_the_previous_state(node: ServerProcess, point: str, route: str,
+                                                              body: dict) -> None:
+    restart(node, faults=point)
+    with node.client() as api:
+        sid = busy_sandbox(api)
+        manifests_before = sorted(p.name for p in (node.data_dir / "repository" / "manifests").iterdir())
+        try:
+            api.post(f"/sandboxes/{sid}/{route}", json=body, timeout=3)
+        except httpx.ReadTimeout:
+            pass
+        wait_for_log(node, f"crash point {point} reached")
+    restart(node)  # SIGKILL at the crash point, then a clean start
+    with node.client() as api:
+        assert state(api, sid) == "running", api.get(f"/sandboxes/{sid}").json()
+        c = counter(api, sid)
+        time.sleep(0.3)
+        assert counter(api, sid) > c, "the sandbox must run on after the interrupted operation"
+        run(api, sid, "echo after >> /home/user/f.txt")
+        assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\nafter\n"
+        repository_is_clean(node)
+        manifests = sorted(p.name for p in (node.data_dir / "repository" / "manifests").iterdir())
+        assert manifests == manifests_before, "an interrupted operation must publish nothing"
+        assert [s["sandboxID"] for s in api.get("/sandboxes").json()] == [sid], "no half-made children"
+        # The disk it writes to after recovery is the right one: it survives a pause/resume.
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        assert api.post(f"/sandboxes/{sid}/resume").status_code == 201
+        assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\nafter\n"
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_snapshot_published_before_a_crash_is_complete_and_usable(node: ServerProcess) -> None:
+    restart(node, faults="snapshot_after_publish")
+    with node.client() as api:
+        sid = busy_sandbox(api)
+        try:
+            api.post(f"/sandboxes/{sid}/snapshots", json={"name": "published"}, timeout=3)
+        except httpx.ReadTimeout:
+            pass
+        wait_for_log(node, "crash point snapshot_after_publish reached")
+    restart(node)
+    with node.client() as api:
+        assert state(api, sid) == "running"
+        assert [s["names"] for s in api.get("/snapshots").json()] == [["published"]]
+        r = api.post("/sandboxes", json={"templateID": "published"})
+        assert r.status_code == 201, r.text
+        new = r.json()["sandboxID"]
+        assert run(api, new, "cat /home/user/f.txt")["stdout"] == "before\n"
+        for s in (sid, new):
+            api.delete(f"/sandboxes/{s}")
+        api.delete("/snapshots/published")
+        repository_is_clean(node)
+
+
+def test_paused_sandbox_survives_a_server_crash(node: ServerProcess) -> None:
+    restart(node)
+    with node.client() as api:
+        sid = busy_sandbox(api)
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+    restart(node, sig=signal.SIGKILL)
+    with node.client() as api:
+        assert state(api, sid) == "paused"
+        assert host.qemu_pids(sid) == set()
+        assert api.post(f"/sandboxes/{sid}/resume").status_code == 201
+        assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\n"
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_sigterm_with_pause_on_stop_pauses_and_a_restart_resumes(node: ServerProcess) -> None:
+    restart(node, AENV_PAUSE_ON_STOP="1")
+    with node.client() as api:
+        sid = busy_sandbox(api)
+        c = counter(api, sid)
+    restart(node, sig=signal.SIGTERM, AENV_PAUSE_ON_STOP="0")
+    with node.client() as api:
+        assert state(api, sid) == "paused"
+        assert host.qemu_pids(sid) == set()
+        r = api.post(f"/sandboxes/{sid}/connect", json={"timeout": 300})
+        assert r.status_code == 201, r.text
+        assert counter(api, sid) >= c
+        assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\n"
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pytest.TempPathFactory) -> None:
+    mnt = tmp_path_factory.mktemp("pausefull")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(mnt)], check=True)
+    s = ServerProcess(mnt / "data", node_cidr(21), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0")
+    try:
+        s.start()
+        with s.client() as api:
+            sid = busy_sandbox(api)
+            run(api, sid, "head -c 20971520 /dev/urandom > /dev/shm/big")
+            filler = s.data_dir / "filler"
+            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=400"], capture_output=True)
+            with open(filler, "r+b") as f:  # leave 4 MiB: the layer write itself runs out of space
+                f.truncate(max(0, filler.stat().st_size - (4 << 20)))
+            r = api.post(f"/sandboxes/{sid}/pause")
+            assert r.status_code == 507, r.text
+            assert "space" in r.json()["message"]
+            assert state(api, sid) == "running"
+            c = counter(api, sid)
+            time.sleep(0.3)
+            assert counter(api, sid) > c
+            assert list((s.data_dir / "repository" / "staging").iterdir()) == []
+            assert list((s.data_dir / "repository" / "manifests").iterdir()) == []
+            filler.unlink()
+            assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+            assert api.post(f"/sandboxes/{sid}/resume").status_code == 201
+            assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\n"
+        s.kill_all()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+

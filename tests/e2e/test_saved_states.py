@@ -1,0 +1,256 @@
+"""Pause, resume, named snapshots and fork, on real microVMs (issue #3)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import run
+from tests.framework import host
+from tests.framework.server import ServerProcess
+
+COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done' "
+           ">/dev/null 2>&1 & echo $!")
+
+
+def counter(api: httpx.Client, sid: str) -> int:
+    return int(run(api, sid, "cat /tmp/counter")["stdout"])
+
+
+def state(api: httpx.Client, sid: str) -> str:
+    return api.get(f"/sandboxes/{sid}").json()["state"]
+
+
+@pytest.fixture
+def busy(api: httpx.Client) -> Iterator[tuple[str, str, str]]:
+    """A sandbox with a counting process, a file on disk and 20 MiB of random data in RAM
+    (tmpfs); yields (id, counter pid, md5 of the RAM data)."""
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+    pid = run(api, sid, COUNTER)["stdout"].strip()
+    out = run(api, sid, "echo on-disk > /home/user/kept.txt; head -c 20971520 /dev/urandom > /dev/shm/blob; "
+                        "md5sum < /dev/shm/blob")["stdout"].split()[0]
+    yield sid, pid, out
+    api.delete(f"/sandboxes/{sid}")
+
+
+def test_pause_releases_the_vm_and_resume_keeps_processes_memory_and_files(
+        api: httpx.Client, busy: tuple[str, str, str]) -> None:
+    sid, pid, md5 = busy
+    boot_id = run(api, sid, "cat /proc/sys/kernel/random/boot_id")["stdout"]
+    assert counter(api, sid) > 0
+    r = api.post(f"/sandboxes/{sid}/pause")
+    assert r.status_code == 204, r.text
+    assert state(api, sid) == "paused"
+    assert host.qemu_pids(sid) == set(), "a paused sandbox must not keep its QEMU"
+    r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "true"})
+    assert r.status_code == 409 and "paused" in r.json()["message"]
+    assert api.post(f"/sandboxes/{sid}/pause").status_code == 409  # already paused
+    time.sleep(2)
+    r = api.post(f"/sandboxes/{sid}/resume", json={"timeout": 600})
+    assert r.status_code == 201, r.text
+    assert r.json()["sandboxID"] == sid
+    assert state(api, sid) == "running"
+    assert api.post(f"/sandboxes/{sid}/resume").status_code == 409  # running
+    c1 = counter(api, sid)
+    time.sleep(0.5)
+    assert counter(api, sid) > c1, "the counting process must go on after resume"
+    assert run(api, sid, f"kill -0 {pid} && echo alive")["stdout"] == "alive\n"
+    assert run(api, sid, "cat /home/user/kept.txt")["stdout"] == "on-disk\n"
+    assert run(api, sid, "md5sum < /dev/shm/blob")["stdout"].split()[0] == md5
+    assert run(api, sid, "cat /proc/sys/kernel/random/boot_id")["stdout"] == boot_id
+    # The guest clock was set on resume: it did not stand still for the 2 s it was paused.
+    guest_now = float(run(api, sid, "date +%s.%N")["stdout"])
+    assert abs(guest_now - time.time()) < 3
+
+
+def test_connect_resumes_a_paused_sandbox_and_only_extends_a_running_one(api: httpx.Client,
+                                                                         sandbox: str) -> None:
+    end = api.get(f"/sandboxes/{sandbox}").json()["endAt"]
+    r = api.post(f"/sandboxes/{sandbox}/connect", json={"timeout": 5})
+    assert r.status_code == 200, r.text
+    assert api.get(f"/sandboxes/{sandbox}").json()["endAt"] == end  # never shortened
+    assert api.post(f"/sandboxes/{sandbox}/pause").status_code == 204
+    r = api.post(f"/v2/sandboxes/{sandbox}/connect", json={"timeout": 600})
+    assert r.status_code == 201, r.text
+    assert r.json()["envdAccessToken"]
+    assert run(api, sandbox, "echo back")["stdout"] == "back\n"
+
+
+def test_fifty_pause_resume_cycles_lose_nothing(api: httpx.Client) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 900}).json()["sandboxID"]
+    try:
+        run(api, sid, COUNTER)
+        last = 0
+        for i in range(50):
+            run(api, sid, f"mkdir -p /home/user/cycles && echo {i} > /home/user/cycles/{i}")
+            assert api.post(f"/sandboxes/{sid}/pause").status_code == 204, i
+            r = api.post(f"/sandboxes/{sid}/resume", json={"timeout": 900})
+            assert r.status_code == 201, (i, r.text)
+            out = run(api, sid, "cat /tmp/counter; cat /home/user/cycles/* | sort -n | tr '\\n' ' '")["stdout"]
+            value, files = out.split("\n", 1)
+            assert int(value) >= last, (i, value, last)
+            last = int(value)
+            assert files.split() == [str(k) for k in range(i + 1)], (i, files)
+        time.sleep(0.3)
+        assert counter(api, sid) > last
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_fork_children_inherit_state_and_are_independent(api: httpx.Client, busy: tuple[str, str, str]) -> None:
+    sid, _pid, md5 = busy
+    run(api, sid, "echo before-fork > /home/user/shared.txt")
+    api.post(f"/sandboxes/{sid}/timeout", json={"timeout": 700})
+    r = api.post(f"/sandboxes/{sid}/fork", json={"count": 3})
+    assert r.status_code == 201, r.text
+    items = r.json()
+    assert len(items) == 3 and all("sandbox" in x for x in items), items
+    kids = [x["sandbox"]["sandboxID"] for x in items]
+    try:
+        assert len(set(kids) | {sid}) == 4
+        assert state(api, sid) == "running"
+        run(api, sid, "echo source-after > /home/user/shared.txt")
+        randoms = set()
+        for k in kids:
+            info = api.get(f"/sandboxes/{k}").json()
+            assert info["state"] == "running"
+            assert info["envdAccessToken"] != api.get(f"/sandboxes/{sid}").json()["envdAccessToken"]
+            out = run(api, k, "cat /home/user/shared.txt; md5sum < /dev/shm/blob; echo $E2B_SANDBOX_ID; "
+                              "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'")["stdout"].split("\n")
+            assert out[0] == "before-fork", out
+            assert out[1].split()[0] == md5
+            assert out[2] == k, "each child has its own identity"
+            randoms.add(out[3])
+            assert counter(api, k) > 0  # the counting process was forked too
+            end = api.get(f"/sandboxes/{k}").json()["endAt"]
+            assert end > api.get(f"/sandboxes/{sid}").json()["startedAt"]
+        assert len(randoms) == 3, "children must not share their random state"
+        run(api, kids[0], "echo child0 > /home/user/shared.txt")
+        assert run(api, kids[1], "cat /home/user/shared.txt")["stdout"] == "before-fork\n"
+        assert run(api, sid, "cat /home/user/shared.txt")["stdout"] == "source-after\n"
+    finally:
+        for k in kids:
+            api.delete(f"/sandboxes/{k}")
+
+
+def test_fork_count_is_validated(api: httpx.Client, sandbox: str) -> None:
+    for count in (0, 17):
+        r = api.post(f"/sandboxes/{sandbox}/fork", json={"count": count})
+        assert r.status_code == 400 and "count" in r.json()["message"]
+    assert api.post("/sandboxes/inope/fork", json={"count": 1}).status_code == 404
+
+
+def test_named_snapshot_starts_new_sandboxes_and_outlives_its_source(api: httpx.Client,
+                                                                    server: ServerProcess) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base", "metadata": {"team": "rl"}}).json()["sandboxID"]
+    run(api, sid, "echo snap-content > /home/user/s.txt; echo 41 > /tmp/mem-only")
+    r = api.post(f"/sandboxes/{sid}/snapshots", json={"name": "e2e-snap"})
+    assert r.status_code == 201, r.text
+    snap = r.json()
+    assert snap["names"] == ["e2e-snap"] and snap["snapshotID"]
+    assert api.post(f"/sandboxes/{sid}/snapshots", json={"name": "e2e-snap"}).status_code == 400  # taken
+    assert api.post(f"/sandboxes/{sid}/snapshots", json={"name": "bad name!"}).status_code == 400
+    run(api, sid, "echo later > /home/user/s.txt")
+    api.delete(f"/sandboxes/{sid}")
+    listed = api.get("/snapshots").json()
+    assert [s["snapshotID"] for s in listed if s["names"] == ["e2e-snap"]] == [snap["snapshotID"]]
+    made = []
+    try:
+        for ref in ("e2e-snap", snap["snapshotID"]):
+            r = api.post("/sandboxes", json={"templateID": ref, "timeout": 300})
+            assert r.status_code == 201, r.text
+            new = r.json()["sandboxID"]
+            made.append(new)
+            assert run(api, new, "cat /home/user/s.txt /tmp/mem-only")["stdout"] == "snap-content\n41\n"
+            assert api.get(f"/sandboxes/{new}").json()["metadata"] == {"team": "rl"}
+        run(api, made[0], "echo mine > /home/user/s.txt")
+        assert run(api, made[1], "cat /home/user/s.txt")["stdout"] == "snap-content\n"
+    finally:
+        for m in made:
+            api.delete(f"/sandboxes/{m}")
+    assert api.delete("/snapshots/e2e-snap").status_code == 204
+    assert api.delete("/snapshots/e2e-snap").status_code == 404
+    assert api.post("/sandboxes", json={"templateID": "e2e-snap"}).status_code == 404
+
+
+def test_deleting_a_snapshot_keeps_layers_its_sandboxes_use(api: httpx.Client, server: ServerProcess) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    run(api, sid, "echo layered > /home/user/l.txt")
+    snap = api.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"]
+    api.delete(f"/sandboxes/{sid}")
+    child = api.post("/sandboxes", json={"templateID": snap}).json()["sandboxID"]
+    try:
+        assert api.delete(f"/snapshots/{snap}").status_code == 204
+        # The child's disk chain still reads the deleted snapshot's sealed layer.
+        assert run(api, child, "sync; echo 3 > /proc/sys/vm/drop_caches; cat /home/user/l.txt",
+                   user="root")["stdout"] == "layered\n"
+        assert api.post(f"/sandboxes/{child}/pause").status_code == 204
+        assert api.post(f"/sandboxes/{child}/resume").status_code == 201
+        assert run(api, child, "cat /home/user/l.txt")["stdout"] == "layered\n"
+    finally:
+        api.delete(f"/sandboxes/{child}")
+
+
+def test_corrupt_or_missing_layer_is_refused_and_leaves_nothing(api: httpx.Client, server: ServerProcess) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    run(api, sid, "head -c 1048576 /dev/urandom > /dev/shm/x")
+    snap = api.post(f"/sandboxes/{sid}/snapshots", json={"name": "to-corrupt"}).json()["snapshotID"]
+    api.delete(f"/sandboxes/{sid}")
+    repo = server.data_dir / "repository"
+    manifest = (repo / "manifests" / f"{snap}.json").read_text()
+    import json
+
+    cp = json.loads(manifest)
+    mem = repo / "layers" / cp["memory"][-1]["name"]
+    data = bytearray(mem.read_bytes())
+    data[8192] ^= 0xFF
+    mem.chmod(0o644)
+    mem.write_bytes(bytes(data))
+    before = (host.sandbox_dirs(server.data_dir), host.qemu_pids(str(server.data_dir)))
+    r = api.post("/sandboxes", json={"templateID": "to-corrupt"})
+    assert r.status_code == 422, r.text
+    assert "checksum" in r.json()["message"]
+    disk = repo / "layers" / cp["disk"][-1]["name"]
+    disk.unlink()
+    data[8192] ^= 0xFF
+    mem.write_bytes(bytes(data))
+    r = api.post("/sandboxes", json={"templateID": "to-corrupt"})
+    assert r.status_code == 422 and "missing" in r.json()["message"], r.text
+    assert (host.sandbox_dirs(server.data_dir), host.qemu_pids(str(server.data_dir))) == before
+    api.delete("/snapshots/to-corrupt")
+
+
+def test_auto_pause_at_timeout_then_connect_resumes(api: httpx.Client) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 2, "autoPause": True}).json()["sandboxID"]
+    try:
+        run(api, sid, "echo kept > /tmp/auto")
+        deadline = time.monotonic() + 20
+        while state(api, sid) != "paused" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert state(api, sid) == "paused"
+        r = api.post(f"/sandboxes/{sid}/connect", json={"timeout": 300})
+        assert r.status_code == 201, r.text
+        assert run(api, sid, "cat /tmp/auto")["stdout"] == "kept\n"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_repository_is_empty_once_everything_is_deleted(api: httpx.Client, server: ServerProcess) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    snap = api.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"]
+    kids = [x["sandbox"]["sandboxID"] for x in api.post(f"/sandboxes/{sid}/fork", json={"count": 2}).json()]
+    api.post(f"/sandboxes/{kids[0]}/pause")
+    for s in [sid, *kids]:
+        api.delete(f"/sandboxes/{s}")
+    api.delete(f"/snapshots/{snap}")
+    layers = server.data_dir / "repository" / "layers"
+    manifests = server.data_dir / "repository" / "manifests"
+    assert list(manifests.iterdir()) == []
+    if not api.get("/sandboxes").json():  # nothing else on the node pins a layer
+        deadline = time.monotonic() + 5
+        while list(layers.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p.name for p in layers.iterdir()] == []
