@@ -54,14 +54,17 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
     """Slot + QEMU restored to ``cp`` + the guest's identity (id, token, fresh entropy, the
     clock). Undoes everything it made on failure; never touches the checkpoint."""
     undo = Cleanup(f"start {sandbox_id}")
+    t0 = time.perf_counter()
     try:
         slot = await orch.slots.acquire()
         undo.add("slot", lambda: orch.slots.release(slot))
+        t1 = time.perf_counter()
         machine, disk = await orch.checkpoints.restore(cp, name=sandbox_id, run_dir=run_dir, slot=slot,
                                                        disk_top=disk_top)
         undo.add("machine", machine.kill)
         envd = EnvdClient(slot.guest_url, access_token=cp.access_token)
         undo.add("envd", envd.aclose)
+        t2 = time.perf_counter()
         timeout = orch.settings.restore_timeout_s
         try:
             await asyncio.wait_for(envd.init(sandbox_id=sandbox_id, template_id=template, env_vars=env_vars,
@@ -71,6 +74,8 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
             raise GuestError(f"sandbox {sandbox_id}: the guest agent did not answer within {timeout:.0f}s "
                              f"after restore ({why})") from exc
         undo.release()
+        log.info("started %s from checkpoint %s: slot %.1f ms, restore %.1f ms, guest init %.1f ms", sandbox_id,
+                 cp.id, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
         return Started(machine, slot, envd, disk)
     except BaseException:
         await undo.unwind()

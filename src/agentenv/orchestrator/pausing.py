@@ -24,8 +24,11 @@ from agentenv.orchestrator.forking import start_from_checkpoint
 from agentenv.orchestrator.lifecycle import State
 
 if TYPE_CHECKING:
+    from agentenv.envd_client import EnvdClient
+    from agentenv.network import Slot
     from agentenv.orchestrator.service import Orchestrator
     from agentenv.orchestrator.store import SandboxRecord
+    from agentenv.vmm import Machine
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +57,23 @@ async def pause(orch: Orchestrator, sandbox_id: str) -> SandboxRecord:
         # the two leaves a paused record and a stopped QEMU that recovery kills.
         live.record = live.record.with_(state=State.PAUSED, paused=cp, slot_index=None)
         await orch.store.put(live.record)
-        live.machine = None  # the exit watcher must not read this as a crash
-        await machine.kill()
-        if live.envd:
-            await live.envd.aclose()
-            live.envd = None
-        if live.slot:
-            await orch.slots.release(live.slot)
-            live.slot = None
+        # The state is saved and the VM stopped: the caller is answered now, and the stopped
+        # QEMU and the network slot are freed in the background (resume and kill wait for it).
+        envd, slot = live.envd, live.slot
+        live.machine, live.envd, live.slot = None, None, None  # the exit watcher must not see a crash
+        live.releasing = asyncio.get_running_loop().create_task(_free(orch, machine, envd, slot))
         log.info("sandbox %s: paused in %.1f ms", sandbox_id, (time.perf_counter() - t0) * 1e3)
         return live.record
+
+
+async def _free(orch: Orchestrator, machine: Machine, envd: EnvdClient | None, slot: Slot | None) -> None:
+    try:
+        await machine.kill()
+        if envd:
+            await envd.aclose()
+    finally:
+        if slot:
+            await orch.slots.release(slot)
 
 
 async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None) -> SandboxRecord:
@@ -71,6 +81,7 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None) -> 
     async with live.lock:
         if live.record.state != State.PAUSED or live.record.paused is None:
             raise SandboxStateError(sandbox_id, live.record.state.value, "paused")
+        await live.settled()
         timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
         orch.check_capacity()
         cp = live.record.paused

@@ -21,6 +21,18 @@ class LiveSandbox:
     slot: Slot | None = None
     envd: EnvdClient | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    releasing: asyncio.Task[None] | None = None  # host resources being freed after a pause
+
+    async def settled(self) -> None:
+        """Wait until the resources of a previous pause are freed (errors were logged)."""
+        task, self.releasing = self.releasing, None
+        if task is not None:
+            try:
+                await task
+            except Exception:  # noqa: BLE001 — a failed kill is logged; the run dir is reused anyway
+                import logging
+
+                logging.getLogger(__name__).exception("freeing the paused VM of %s failed", self.id)
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.record.id} {self.record.state.value.upper()}>"

@@ -94,6 +94,7 @@ class Orchestrator:
         await self.pool.stop()
         await self.slots.drain()
         for live in self._live.values():
+            await live.settled()
             if live.machine:
                 await live.machine.detach()
             if live.envd:
@@ -215,6 +216,7 @@ class Orchestrator:
             if live.record.state == State.KILLING:
                 return
             await self._transition(live, State.KILLING)
+            await live.settled()
             await self._release(live)
             self._live.pop(sandbox_id, None)
             await self.store.delete(sandbox_id)

@@ -9,6 +9,7 @@ through a pidfd, which works the same for launched and adopted processes.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -203,7 +204,10 @@ class Machine:
     async def disk_top(self) -> Path:
         """The overlay the disk writes to, as QEMU sees it (recovery trusts this over records)."""
         blocks = await self.qmp("query-block")
-        return Path(next(b["inserted"]["file"] for b in blocks if b.get("device") == "d0"))
+        name = next(b["inserted"]["file"] for b in blocks if b.get("device") == "d0")
+        if name.startswith("json:"):  # a top added at run time is described with its backing
+            name = json.loads(name[5:])["file"]["filename"]
+        return Path(name)
 
     async def _wait_migration(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,214 @@
+"""Benchmark scenarios of issue #3: pause, resume, snapshot, fork, reset, and the baseline of
+what plain QEMU would do (full-RAM ``migrate`` to a file and back) measured in the same run.
+
+Every figure is "API call → done" as a user sees it: pause until the 204, resume until the
+201 (the guest agent has answered its clock/entropy update), fork until every child has
+answered a command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from agentenv.bench.node import LocalNode, qemu_pids
+from agentenv.config import Settings
+from agentenv.envd_client import EnvdClient
+from agentenv.network import SlotPool, host_firewall_down, host_firewall_up
+from agentenv.orchestrator.templates import guest_link_spec
+from agentenv.storage import TemplateSnapshot, create_overlay, remove_tree
+from agentenv.vmm import Machine, MachineSpec, detect_accel
+
+MIGRATE_CIDR = "10.217.17.0/24"
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+def _create(api: httpx.Client, template: str = "base") -> str:
+    r = api.post("/sandboxes", json={"templateID": template, "timeout": 900})
+    r.raise_for_status()
+    return str(r.json()["sandboxID"])
+
+
+def _run(api: httpx.Client, sid: str, cmd: str) -> str:
+    r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": cmd, "timeout": 600})
+    r.raise_for_status()
+    out = r.json()
+    if out["exitCode"] != 0:
+        raise RuntimeError(f"{cmd!r} failed in {sid}: {out['stderr']}")
+    return str(out["stdout"])
+
+
+def _dirty(mib: int) -> str:
+    """Guest command that dirties ``mib`` MiB of guest RAM (a tmpfs file of random bytes)."""
+    return f"head -c {mib << 20} /dev/urandom > /dev/shm/dirty-$RANDOM"
+
+
+def bench_pause_resume(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
+    """A fresh sandbox dirties N MiB, then pause (→ 204) and resume (→ 201), per size."""
+    out: dict[str, list[float]] = {}
+    for mib in (20, 200):
+        pauses, resumes = [], []
+        for _ in range(runs):
+            sid = _create(api)
+            try:
+                _run(api, sid, _dirty(mib))
+                t0 = time.perf_counter()
+                api.post(f"/sandboxes/{sid}/pause").raise_for_status()
+                pauses.append(_ms(t0))
+                t0 = time.perf_counter()
+                api.post(f"/sandboxes/{sid}/resume", json={"timeout": 900}).raise_for_status()
+                resumes.append(_ms(t0))
+            finally:
+                api.delete(f"/sandboxes/{sid}")
+        out[f"pause_{mib}mib_ms"] = pauses
+        out[f"resume_{mib}mib_ms"] = resumes
+    return out
+
+
+def bench_snapshot_disk(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
+    """Named snapshot right after the guest wrote 1 GiB to its disk (O_DIRECT, so the data is
+    on the disk, not in guest RAM), against a snapshot with nothing written."""
+    out: dict[str, list[float]] = {"snapshot_1gib_disk_ms": [], "snapshot_idle_ms": []}
+    sid = _create(api)
+    try:
+        for i in range(max(1, min(runs, 3))):
+            t0 = time.perf_counter()
+            r = api.post(f"/sandboxes/{sid}/snapshots", json={})
+            r.raise_for_status()
+            out["snapshot_idle_ms"].append(_ms(t0))
+            api.delete(f"/snapshots/{r.json()['snapshotID']}")
+            _run(api, sid, f"dd if=/dev/zero of=/home/user/big{i} bs=4M count=256 oflag=direct 2>/dev/null")
+            t0 = time.perf_counter()
+            r = api.post(f"/sandboxes/{sid}/snapshots", json={})
+            r.raise_for_status()
+            out["snapshot_1gib_disk_ms"].append(_ms(t0))
+            api.delete(f"/snapshots/{r.json()['snapshotID']}")
+            _run(api, sid, f"rm -f /home/user/big{i}")
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    return out
+
+
+def _pss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def bench_fork(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
+    """Fork 16 (API call → every child answered a command), the children's PSS, and the GRPO
+    reset (kill a child, start a fresh one from the same snapshot)."""
+    out: dict[str, list[float]] = {"fork16_ms": [], "fork_child_pss_mb": [], "reset_ms": []}
+    for _ in range(max(1, min(runs, 3))):
+        src = _create(api)
+        kids: list[str] = []
+        try:
+            _run(api, src, _dirty(20))
+            t0 = time.perf_counter()
+            r = api.post(f"/sandboxes/{src}/fork", json={"count": 16})
+            r.raise_for_status()
+            kids = [x["sandbox"]["sandboxID"] for x in r.json() if "sandbox" in x]
+            with ThreadPoolExecutor(16) as ex:
+                list(ex.map(lambda k: _run(api, k, "true"), kids))
+            if len(kids) == 16:
+                out["fork16_ms"].append(_ms(t0))
+            time.sleep(2)
+            for k in kids:
+                for pid in qemu_pids(k):
+                    out["fork_child_pss_mb"].append(_pss_mb(pid))
+        finally:
+            for k in kids:
+                api.delete(f"/sandboxes/{k}")
+            api.delete(f"/sandboxes/{src}")
+    # reset: a named snapshot is the episode's start; each reset kills the child and starts anew
+    src = _create(api)
+    try:
+        _run(api, src, _dirty(20))
+        snap = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
+        child = _create(api, snap)
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            api.delete(f"/sandboxes/{child}").raise_for_status()
+            child = _create(api, snap)
+            out["reset_ms"].append(_ms(t0))
+        api.delete(f"/sandboxes/{child}")
+        api.delete(f"/snapshots/{snap}")
+    finally:
+        api.delete(f"/sandboxes/{src}")
+    return out
+
+
+# -- baseline: plain QEMU migration of the whole RAM to a file and back --------------------------
+
+async def _migrate_baseline(template_dir: Path, tmp: Path, runs: int, accel_setting: str) -> dict[str, list[float]]:
+    snap = TemplateSnapshot.load(template_dir)
+    assert snap is not None, f"no template snapshot in {template_dir}"
+    accel = detect_accel(accel_setting)
+    settings = Settings(data_dir=tmp / "migrate")
+    slots = SlotPool(settings.instance_tag, MIGRATE_CIDR, 0)
+    await host_firewall_up(settings.instance_tag, slots.ifprefix, MIGRATE_CIDR)
+    settings.mem_dir.mkdir(parents=True, exist_ok=True)
+    out: dict[str, list[float]] = {}
+    try:
+        for mib in (20, 200):
+            saves, loads = [], []
+            for i in range(runs):
+                d = tmp / f"mig{mib}-{i}"
+                slot = await slots.acquire()
+                await create_overlay(d / "disk.qcow2", snap.disk, "qcow2")
+                common = dict(sock_dir=settings.sock_dir, kernel=Path(snap.kernel), initramfs=Path(snap.initramfs),
+                              disk=d / "disk.qcow2", memory_mb=snap.memory_mb, vcpus=snap.vcpus, accel=accel,
+                              netns=slot.netns, incoming=True, **guest_link_spec())
+                src = await Machine.launch(MachineSpec(name=f"bench-mig-src{i}", run_dir=d / "src",
+                                                       mem_path=snap.mem_file, **common))  # type: ignore[arg-type]
+                dst: Machine | None = None
+                fresh = settings.mem_dir / f"mig{i}.mem"
+                try:
+                    await src.prepare_incoming()
+                    await src.load_state(snap.state)
+                    async with EnvdClient(slot.guest_url) as envd:
+                        await envd.wait_healthy(60)
+                        await envd.run(["bash", "-c", _dirty(mib)], user="root", timeout=300)
+                    # plain QEMU: stop, migrate everything (a share=off RAM block is never skipped)
+                    await src.qmp("migrate-set-capabilities",
+                                  capabilities=[{"capability": "x-ignore-shared", "state": False}])
+                    t0 = time.perf_counter()
+                    await src.qmp("stop")
+                    await src.qmp("migrate", uri=f"exec:cat > {d / 'full.state'}")
+                    await src._wait_migration(120)
+                    saves.append(_ms(t0))
+                    await src.kill()
+                    t0 = time.perf_counter()
+                    dst = await Machine.launch(MachineSpec(name=f"bench-mig-dst{i}", run_dir=d / "dst",
+                                                           mem_path=fresh, **common))  # type: ignore[arg-type]
+                    await dst.load_state(d / "full.state", timeout=120)
+                    async with EnvdClient(slot.guest_url) as envd:
+                        await envd.wait_healthy(60)
+                    loads.append(_ms(t0))
+                finally:
+                    await src.kill()
+                    if dst is not None:
+                        await dst.kill()
+                    fresh.unlink(missing_ok=True)
+                    await slots.release(slot)
+                    await remove_tree(d)
+            out[f"migrate_save_{mib}mib_ms"] = saves
+            out[f"migrate_load_{mib}mib_ms"] = loads
+    finally:
+        await host_firewall_down(settings.instance_tag)
+    return out
+
+
+def bench_migrate_baseline(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
+    dirs = sorted((node.data_dir / "templates" / "base" / "snapshots").glob("*/meta.json"))
+    assert dirs, "the bench node has no template snapshot yet"
+    return asyncio.run(_migrate_baseline(dirs[0].parent, node.data_dir.parent / "migrate-baseline",
+                                         max(1, min(runs, 5)), node.env.get("AENV_ACCEL", "auto")))
