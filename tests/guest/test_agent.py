@@ -589,3 +589,28 @@ async def test_empty_file_downloads_as_an_empty_200(agent, client) -> None:
     await client.write_file("/tmp/aenv-empty-file", b"")
     r = httpx.get(agent.url + "/files", params={"path": "/tmp/aenv-empty-file"}, timeout=10)
     assert r.status_code == 200 and r.content == b""
+
+
+# ---------------------------------------------------------------------------------------------
+# Packaging: the image gets every module of the agent
+# ---------------------------------------------------------------------------------------------
+
+
+def test_image_layout_of_the_agent_runs_on_its_own(tmp_path: Path) -> None:
+    from agentenv.images.rootfs import _guest_files
+
+    files = _guest_files()
+    src = Path(__file__).resolve().parents[2] / "src" / "agentenv" / "guest"
+    modules = sorted(p.name for p in (src / "agentlib").glob("*.py"))
+    assert sorted(k.rsplit("/", 1)[1] for k in files if k.startswith("opt/agentenv/agentlib/")) == modules
+    for rel, data in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    # Run the copied tree as the guest's init does, with no PYTHONPATH: the agent must need nothing
+    # but its own files.
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([python, "-u", str(tmp_path / "opt/agentenv/agent.py"), "--help"],
+                         capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "envd-compatible" in out.stdout
