@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import ctypes
 import datetime
 import errno
@@ -43,12 +44,13 @@ import signal
 import socket
 import stat
 import struct
-import tempfile
 import time
 import traceback
+import urllib.parse
 import zlib
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
+from agentlib import metrics
 from agentlib.common import (
     CONNECT_STATUS,
     CORS_HEADERS,
@@ -73,11 +75,13 @@ from agentlib.fsutil import (
     make_dir,
     make_dirs,
     move,
+    open_upload_target,
     remove,
     write_all,
 )
-from agentlib.httpio import Request, Response, read_request
+from agentlib.httpio import Request, Response, read_envelopes, read_request
 from agentlib.process import ProcessManager
+from agentlib.watch import WatchService
 
 DEFAULT_PORT = 49983
 # Where /init writes the E2B marker files. Tests point this at a temporary directory.
@@ -125,16 +129,34 @@ class Agent:
             "filesystem.Filesystem/Move": self.rpc_move,
             "filesystem.Filesystem/Remove": self.rpc_remove,
         }
+        self.watches = WatchService(self.resolve)
+        self.unary.update({
+            "filesystem.Filesystem/CreateWatcher": self.watches.rpc_create_watcher,
+            "filesystem.Filesystem/GetWatcherEvents": self.watches.rpc_get_watcher_events,
+            "filesystem.Filesystem/RemoveWatcher": self.watches.rpc_remove_watcher,
+        })
         self.streams = {"process.Process/Start": self.procs.rpc_start,
-                        "process.Process/Connect": self.procs.rpc_connect}
+                        "process.Process/Connect": self.procs.rpc_connect,
+                        "filesystem.Filesystem/WatchDir": self.watches.rpc_watch_dir}
+        self.client_streams = {"process.Process/StreamInput": self.procs.rpc_stream_input}
 
     def resolve(self, path: str, user: User) -> str:
-        """``~`` is the user's home; relative paths start at the default workdir, else the home."""
+        """``~`` is the user's home; relative paths start at the default workdir, else the home.
+
+        ``..`` is resolved as the kernel resolves it: against the directory the preceding part
+        really is (after following its symlinks), not by textual clean-up. Other components stay
+        as given, so a final symlink is still reported as itself."""
         path = str(path or "")
+        if "\0" in path:
+            raise ConnectError("invalid_argument", "path contains a NUL byte")
         if path == "~" or path.startswith("~/"):
             path = user.home + path[1:]
         elif not path.startswith("/"):
             path = os.path.join(self.default_workdir or user.home, path)
+        parts = path.split("/")
+        if ".." in parts:
+            last = len(parts) - 1 - parts[::-1].index("..")
+            path = os.path.join(os.path.realpath("/".join(parts[:last + 1])), *parts[last + 1:])
         return os.path.normpath(path)
 
     # ---- routing ------------------------------------------------------------------------
@@ -155,6 +177,8 @@ class Agent:
             raise HttpError(401, "unauthorized access, please provide a valid access token")
         if path == "/envs" and method == "GET":
             return await resp.send_json(200, self.env_vars, {"Cache-Control": "no-store"})
+        if path == "/metrics" and method == "GET":
+            return await resp.send_json(200, await blocking(metrics.collect), {"Cache-Control": "no-store"})
         if re.fullmatch(r"/[\w.]+\.\w+/\w+", path):
             if method != "POST":
                 raise HttpError(405, "method not allowed")
@@ -165,6 +189,8 @@ class Agent:
         """Connect protocol: unary calls answer JSON; server streams answer 5-byte envelopes
         (flags, big-endian length, JSON) and always finish with an end-stream envelope (0x02)."""
         name = req.path[1:]
+        if name in self.client_streams:
+            return await self._client_stream(name, req, resp)
         if name in self.streams:
             await resp.start(200, {"Content-Type": "application/connect+json"})
             end: dict = {}
@@ -175,7 +201,9 @@ class Agent:
                 if len(body) < 5 or len(body) != 5 + struct.unpack(">I", body[1:5])[0] or body[0] & 1:
                     raise ConnectError("invalid_argument", "malformed Connect envelope")
                 msg = parse_json_object(body[5:])
-                stream = self.streams[name](msg, CallContext(self.default_user, req.headers))
+                ctx = CallContext(self.default_user, req.headers)
+                ctx.client_gone = lambda: req.reader.at_eof() or req.writer.is_closing()
+                stream = self.streams[name](msg, ctx)
                 async for out in stream:
                     if held:
                         await resp.write(held)
@@ -205,6 +233,24 @@ class Agent:
             await resp.send_json(200, out)
         except ConnectError as exc:
             await resp.send_json(CONNECT_STATUS.get(exc.code, 500), {"code": exc.code, "message": exc.message})
+
+    async def _client_stream(self, name: str, req: Request, resp: Response) -> None:
+        """A client-streaming call: the request body is a stream of envelopes, read as they come;
+        the answer is one envelope and the end-stream envelope (or only an error end-stream)."""
+        end: dict = {}
+        out = None
+        try:
+            out = await self.client_streams[name](read_envelopes(req.chunks()),
+                                                  CallContext(self.default_user, req.headers))
+        except ConnectError as exc:
+            end = {"error": {"code": exc.code, "message": exc.message}}
+        except HttpError as exc:
+            end = {"error": {"code": "invalid_argument", "message": exc.message}}
+        # After an early error, read (and drop) the rest of the stream so that the client, which
+        # sends its whole body before reading the answer, gets the error and not a reset.
+        await req.drain()
+        await resp.start(200, {"Content-Type": "application/connect+json"})
+        await resp.finish((envelope(0, out) if out is not None else b"") + envelope(2, end))
 
     # ---- /init --------------------------------------------------------------------------
 
@@ -357,7 +403,10 @@ class Agent:
         return user
 
     async def download(self, req: Request, resp: Response, user: User) -> None:
+        """Stream a file in FILE_CHUNK pieces (bounded memory); gzip-compressed on the fly when the
+        client accepts gzip (SDK ``files.read(gzip=True)``), else with its exact length."""
         path = self.resolve(req.query.get("path", ""), user)
+        encoding = negotiate_encoding(req.headers.get("accept-encoding"))
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # NONBLOCK: FIFOs
         except FileNotFoundError:
@@ -370,9 +419,23 @@ class Agent:
                 raise HttpError(400, f"path '{path}' is a directory")
             if not stat.S_ISREG(st.st_mode):
                 raise HttpError(400, f"path '{path}' is not a regular file")
-            name = os.path.basename(path).replace('"', "")
-            await resp.start(200, {"Content-Type": "application/octet-stream",
-                                   "Content-Disposition": f'inline; filename="{name}"'}, st.st_size)
+            if encoding is None:
+                raise HttpError(406, "no acceptable content encoding (gzip and identity are supported)")
+            headers = {"Content-Type": "application/octet-stream",
+                       "Content-Disposition": content_disposition(os.path.basename(path)),
+                       "Vary": "Accept-Encoding"}
+            if encoding == "gzip":
+                await resp.start(200, {**headers, "Content-Encoding": "gzip"})
+                deflate = zlib.compressobj(6, zlib.DEFLATED, 31)
+                offset = 0
+                while offset < st.st_size:
+                    data = await blocking(read_compressed, fd, offset, st.st_size - offset, deflate)
+                    if data is None:
+                        break  # the file shrank meanwhile: send what there is
+                    offset += FILE_CHUNK
+                    await resp.write(data)
+                return await resp.finish(deflate.flush())
+            await resp.start(200, headers, st.st_size)
             sent = 0
             while sent < st.st_size:
                 data = await blocking(os.pread, fd, min(FILE_CHUNK, st.st_size - sent), sent)
@@ -412,45 +475,55 @@ class Agent:
         await resp.send_json(200, written)
 
     async def store(self, dest: str, chunks: AsyncIterator[bytes], user: User, gzipped: bool) -> dict:
-        """Stream one upload into a temp file next to the target, then rename it into place, so
-        a failed or interrupted upload never leaves a partial file behind."""
+        """Stream one upload to disk with bounded memory. A failed or interrupted upload leaves
+        nothing behind: a new file is deleted, an existing one keeps its old content (see
+        ``open_upload_target``)."""
         path = self.resolve(dest, user)
         if os.path.isdir(path):
             raise HttpError(400, f"path '{path}' is a directory")
-        fd, tmp = -1, None
+        fd, tmp, done, real_path = -1, None, False, path
         try:
             await blocking(make_dirs, os.path.dirname(path), user)
-            fd, tmp = await blocking(tempfile.mkstemp, ".upload", f".{os.path.basename(path)}.",
-                                     os.path.dirname(path))
+            fd, tmp, real_path = await blocking(open_upload_target, path, user)
             inflate = zlib.decompressobj(wbits=31) if gzipped else None
             buf = bytearray()
             async for data in chunks:
-                buf += inflate.decompress(data) if inflate else data
+                if inflate:
+                    # Bounded output per step, so a small "gzip bomb" cannot blow up memory.
+                    buf += inflate.decompress(data, FILE_CHUNK)
+                    while inflate.unconsumed_tail:
+                        await blocking(write_all, fd, bytes(buf))
+                        buf.clear()
+                        buf += inflate.decompress(inflate.unconsumed_tail, FILE_CHUNK)
+                else:
+                    buf += data
                 if len(buf) >= FILE_CHUNK:
                     await blocking(write_all, fd, bytes(buf))
                     buf.clear()
             if inflate:
                 buf += inflate.flush()
+                if not inflate.eof:
+                    raise zlib.error("truncated gzip stream")
             await blocking(write_all, fd, bytes(buf))
-            await blocking(install_file, fd, tmp, path, user, self.umask)
-            tmp = None  # it is the final file now
+            if tmp is not None:
+                await blocking(install_file, fd, tmp, real_path, user)
+                tmp = None  # it is the final file now
+            done = True
         except zlib.error:
             raise HttpError(400, "invalid gzip body") from None
         except ConnectionError:
             raise
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise HttpError(507, "not enough disk space") from None
+                raise HttpError(507, f"not enough disk space to write '{path}'") from None
             raise HttpError(400 if exc.errno in (errno.ENOTDIR, errno.EISDIR) else 500,
                             f"cannot write '{path}': {exc.strerror}") from None
         finally:
             if fd >= 0:
                 os.close(fd)
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+            if not done and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp if tmp is not None else real_path)
         return {"path": path, "name": os.path.basename(path), "type": "file"}
 
     # ---- connection loop ----------------------------------------------------------------
@@ -471,7 +544,9 @@ class Agent:
                 try:
                     await self.dispatch(req, resp)
                     await resp.write(b"")  # a head still held back (a response with no body)
-                except HttpError as exc:
+                except (HttpError, ConnectError) as exc:
+                    if isinstance(exc, ConnectError):  # e.g. a bad path given to /files
+                        exc = HttpError(CONNECT_STATUS.get(exc.code, 500), exc.message)
                     if resp.started:
                         return
                     if not req.body_done:
@@ -491,6 +566,41 @@ class Agent:
             pass
         finally:
             writer.close()
+
+
+def negotiate_encoding(accept: str | None) -> str | None:
+    """``gzip`` if the client accepts it, else ``identity`` unless refused (then None: 406)."""
+    if not accept:
+        return "identity"
+    q: dict[str, float] = {}
+    for item in accept.split(","):
+        coding, _, params = item.strip().partition(";")
+        weight = 1.0
+        if (m := re.search(r"q\s*=\s*([0-9.]+)", params)) is not None:
+            try:
+                weight = float(m.group(1))
+            except ValueError:
+                weight = 0.0
+        q[coding.strip().lower()] = weight
+    if q.get("gzip", q.get("x-gzip", q.get("*", 0.0))) > 0:
+        return "gzip"
+    return "identity" if q.get("identity", q.get("*", 1.0)) > 0 else None
+
+
+def read_compressed(fd: int, offset: int, left: int, deflate: Any) -> bytes | None:
+    """Read the next FILE_CHUNK of a file and compress it (thread pool: both are slow)."""
+    data = os.pread(fd, min(FILE_CHUNK, left), offset)
+    return deflate.compress(data) if data else None
+
+
+def content_disposition(name: str) -> str:
+    """``inline; filename="a.txt"``, with an RFC 6266 ``filename*`` for names that are not plain
+    ASCII (HTTP headers cannot carry them raw)."""
+    if name.isascii() and name.isprintable() and '"' not in name and "\\" not in name:
+        return f'inline; filename="{name}"'
+    fallback = "".join(c if c.isascii() and c.isprintable() and c not in '"\\' else "_" for c in name)
+    quoted = urllib.parse.quote(os.fsencode(name), safe="")
+    return f"inline; filename=\"{fallback}\"; filename*=UTF-8''{quoted}"
 
 
 def become_subreaper() -> None:

@@ -20,8 +20,10 @@ SETPRIV = shutil.which("setpriv", path=DEFAULT_PATH)  # util-linux; None in imag
 OUTPUT_CHUNK = 32 * 1024        # max payload of one process data event (envd uses 32 KiB)
 FILE_CHUNK = 1024 * 1024        # unit of disk and socket I/O for /files
 MAX_MESSAGE = 16 * 1024 * 1024  # max size of one RPC request message
+UPLOAD_PREFIX = ".aenv-upload-"  # hidden temp files of uploads that replace an existing file
 IDLE_TIMEOUT = 640.0            # keep-alive idle timeout, longer than the proxies' 610/620 s
 DEFAULT_KEEPALIVE = 90.0        # envd's default keepalive interval for streams
+DISCONNECT_POLL = 1.0           # an idle server stream checks this often whether its client left
 EXIT_GRACE = 1.0                # wait this long for pipes to close after the main process exits
 FINISHED_TTL = 300.0            # finished processes stay visible to Process.Connect this long
 SIGNALS = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM}
@@ -126,7 +128,12 @@ def lookup_user(name: str) -> User | None:
 
 
 class CallContext:
-    """Per-RPC data: headers, Connect deadline, keepalive interval and the requested user."""
+    """Per-RPC data: headers, Connect deadline, keepalive interval and the requested user.
+    ``client_gone()`` tells an idle server stream that its client closed the connection."""
+
+    @staticmethod
+    def client_gone() -> bool:
+        return False
 
     def __init__(self, default_user: str, headers: dict[str, str]) -> None:
         self.default_user, self.headers = default_user, headers

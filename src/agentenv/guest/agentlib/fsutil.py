@@ -11,9 +11,10 @@ import pwd
 import re
 import shutil
 import stat
+import tempfile
 from typing import AsyncIterator
 
-from .common import ConnectError, HttpError, User
+from .common import UPLOAD_PREFIX, ConnectError, HttpError, User
 
 
 def chown_to(path_or_fd: str | int, user: User) -> None:
@@ -223,12 +224,32 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def install_file(fd: int, tmp: str, path: str, user: User, umask: int) -> None:
-    """Give the finished temp file its final mode/owner and atomically move it into place."""
+def open_upload_target(path: str, user: User) -> tuple[int, str | None, str]:
+    """Open the destination of an upload; returns ``(fd, temp_path, real_path)``.
+
+    A new file is created in place, as envd does (``O_CREAT``, ``fchown``, then the writes), so
+    watchers see its CREATE, CHMOD, WRITE; if the upload fails the caller deletes it. An existing
+    file is written to a hidden temporary file next to it (``temp_path``) that ``install_file``
+    renames over it, so a failed upload leaves the old content untouched. A symlink is followed,
+    as opening it for writing would (``real_path`` is the file actually written)."""
+    if os.path.islink(path):
+        path = os.path.realpath(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    except FileExistsError:
+        fd, tmp = tempfile.mkstemp(".tmp", UPLOAD_PREFIX, os.path.dirname(path))
+        return fd, tmp, path
+    chown_to(fd, user)
+    return fd, None, path
+
+
+def install_file(fd: int, tmp: str, path: str, user: User) -> None:
+    """Give the finished temp file the replaced file's mode and the user, then atomically rename
+    it over the target (``path`` is the ``real_path`` of ``open_upload_target``)."""
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)  # overwriting keeps the mode, like O_TRUNC
     except OSError:
-        mode = 0o666 & ~umask
+        mode = 0o644
     os.fchmod(fd, mode)
     chown_to(fd, user)
     os.replace(tmp, path)

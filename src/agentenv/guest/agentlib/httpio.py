@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import urllib.parse
 from http import HTTPStatus
 from typing import Any, AsyncIterator
 
-from .common import FILE_CHUNK, IDLE_TIMEOUT, MAX_MESSAGE, HttpError, json_bytes
+from .common import (
+    FILE_CHUNK,
+    IDLE_TIMEOUT,
+    MAX_MESSAGE,
+    ConnectError,
+    HttpError,
+    json_bytes,
+    parse_json_object,
+)
 
 
 class Request:
@@ -18,7 +27,10 @@ class Request:
         self.reader, self.writer, self.method, self.headers = reader, writer, method, headers
         url = urllib.parse.urlsplit(target)
         self.path = urllib.parse.unquote(url.path)
-        self.query = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
+        # Percent-escapes that are not UTF-8 (a Linux file name may be any bytes) map to the very
+        # bytes they encode, through surrogateescape, as os.fsdecode would.
+        self.query = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True,
+                                                 errors="surrogateescape"))
         conn = headers.get("connection", "").lower()
         self.keep_alive = (version == "HTTP/1.1" and "close" not in conn) or "keep-alive" in conn
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
@@ -168,3 +180,26 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         key = name.strip().lower()
         headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
     return Request(reader, writer, parts[0].upper(), parts[1], parts[2], headers)
+
+
+async def read_envelopes(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict]:
+    """Decode a client stream: Connect envelopes (``flags u8 | length u32 BE | JSON``) as they
+    arrive, however the body was split into chunks. Malformed input is ``invalid_argument``."""
+    buf = bytearray()
+    async for data in chunks:
+        buf += data
+        while len(buf) >= 5:
+            flags, length = struct.unpack_from(">BI", buf)
+            if flags & 0x01:
+                raise ConnectError("invalid_argument", "compressed Connect envelopes are not supported")
+            if length > MAX_MESSAGE:
+                raise ConnectError("resource_exhausted", f"message of {length} bytes is too large")
+            if len(buf) < 5 + length:
+                break
+            payload = bytes(buf[5:5 + length])
+            del buf[:5 + length]
+            if flags & 0x02:  # an end-of-stream envelope: nothing follows
+                return
+            yield parse_json_object(payload)
+    if buf:
+        raise ConnectError("invalid_argument", "truncated Connect envelope")

@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable
 
 from .common import (
     DEFAULT_PATH,
+    DISCONNECT_POLL,
     EXIT_GRACE,
     FINISHED_TTL,
     OUTPUT_CHUNK,
@@ -35,6 +36,8 @@ from .common import (
     log,
 )
 from .fsutil import chown_to
+
+STDIN_BUFFER = 256 * 1024  # StreamInput waits while more than this is queued for the process
 
 
 class Subscriber:
@@ -276,6 +279,7 @@ class ProcessManager:
                      deadline: float | None) -> AsyncIterator[dict]:
         """Relay a subscriber's events, adding keepalives when idle; stops after ``end``."""
         getter: asyncio.Future | None = None
+        last_sent = time.monotonic()
         try:
             while True:
                 if getter is None and not sub.queue.empty():
@@ -285,22 +289,29 @@ class ProcessManager:
                     yield {"event": event}
                     if "end" in event:
                         return
+                    last_sent = time.monotonic()
                     continue
                 getter = getter or asyncio.ensure_future(sub.queue.get())
-                wait = ctx.keepalive
+                now = time.monotonic()
+                wait = min(last_sent + ctx.keepalive - now, DISCONNECT_POLL)
                 if deadline is not None:
-                    if (left := deadline - time.monotonic()) <= 0:
+                    if (left := deadline - now) <= 0:
                         raise ConnectError("deadline_exceeded", "stream deadline exceeded")
                     wait = min(wait, left)
-                done, _ = await asyncio.wait({getter}, timeout=wait)
+                done, _ = await asyncio.wait({getter}, timeout=max(wait, 0.0))
                 if not done:
-                    if deadline is None or time.monotonic() < deadline:
+                    if ctx.client_gone():
+                        return  # nobody to send to; the process itself keeps running
+                    now = time.monotonic()
+                    if now - last_sent >= ctx.keepalive and (deadline is None or now < deadline):
+                        last_sent = now
                         yield {"event": {"keepalive": {}}}
                     continue
                 event, getter = getter.result(), None
                 yield {"event": event}
                 if "end" in event:
                     return
+                last_sent = time.monotonic()
         finally:
             if getter is not None:
                 getter.cancel()
@@ -334,15 +345,42 @@ class ProcessManager:
         proc.signal(signum)
         return {}
 
-    async def rpc_send_input(self, msg: dict, ctx: CallContext) -> dict:
-        proc = self.find(msg.get("process"))
-        data = msg.get("input") or {}
+    @staticmethod
+    def _write_input(proc: Process, data: Any) -> None:
+        """Write one ``ProcessInput`` (``{"stdin": b64}`` or ``{"pty": b64}``) to the process."""
+        data = data if isinstance(data, dict) else {}
         kind = "pty" if proc.pty_master is not None else "stdin"
         if kind not in data or len(data) != 1:
             raise ConnectError("invalid_argument", f"this process accepts only '{kind}' input")
         if proc.stdin is None or proc.stdin.is_closing():
             raise ConnectError("failed_precondition", "stdin of the process is not open")
         proc.stdin.write(b64decode(data[kind]))
+
+    async def rpc_send_input(self, msg: dict, ctx: CallContext) -> dict:
+        self._write_input(self.find(msg.get("process")), msg.get("input"))
+        return {}
+
+    async def rpc_stream_input(self, messages: AsyncIterator[dict], ctx: CallContext) -> dict:
+        """Client stream: ``start{process}`` first, then ``data{input}`` messages written in order
+        (with back-pressure: a process that does not read stalls the stream, not our memory),
+        ``keepalive`` anywhere. Answers ``{}`` once the client ends the stream."""
+        proc: Process | None = None
+        async for msg in messages:
+            if "start" in msg:
+                if proc is not None:
+                    raise ConnectError("invalid_argument", "start may only be the first message")
+                proc = self.find((msg.get("start") or {}).get("process"))
+            elif "data" in msg:
+                if proc is None:
+                    raise ConnectError("invalid_argument", "the first message must be start")
+                self._write_input(proc, (msg.get("data") or {}).get("input"))
+                while (proc.stdin is not None and not proc.stdin.is_closing()
+                       and proc.stdin.get_write_buffer_size() > STDIN_BUFFER):
+                    await asyncio.sleep(0.005)
+            elif "keepalive" not in msg:
+                raise ConnectError("invalid_argument", f"unknown StreamInput message: {sorted(msg)}")
+        if proc is None:
+            raise ConnectError("invalid_argument", "the stream had no start message")
         return {}
 
     async def rpc_close_stdin(self, msg: dict, ctx: CallContext) -> dict:
