@@ -27,7 +27,6 @@ import errno
 import os
 import struct
 import time
-import uuid
 from collections import deque
 from typing import AsyncIterator, Callable
 
@@ -286,7 +285,7 @@ class WatchService:
         root, recursive, include_entry, allow_network = self._watcher_args(msg, ctx)
         polled = PolledWatcher(root, recursive, include_entry)
         polled.watcher.start(allow_network)
-        watcher_id = uuid.uuid4().hex
+        watcher_id = os.urandom(16).hex()
         self.polled[watcher_id] = polled
         return {"watcherId": watcher_id}
 
