@@ -375,3 +375,47 @@ async def test_commands_get_a_login_environment(client: EnvdClient) -> None:
     result = await client.run("echo $HOME $USER; pwd", user="nobody")
     home_exists = os.path.isdir(nobody.pw_dir)
     assert result.stdout.decode() == f"{nobody.pw_dir} nobody\n{nobody.pw_dir if home_exists else '/'}\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Upload metadata and ranged downloads
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_upload_metadata_is_stored_replaced_and_validated(http: httpx.AsyncClient, client: EnvdClient,
+                                                                tmp_path: Path) -> None:
+    target = tmp_path / "meta.txt"
+    resp = await http.post("/files", params={"path": str(target)}, content=b"v1",
+                           headers={"Content-Type": "application/octet-stream", "X-Metadata-Owner": "me",
+                                    "X-Metadata-Build-ID": "42"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()[0]["metadata"] == {"owner": "me", "build-id": "42"}
+    assert os.getxattr(target, "user.e2b.owner") == b"me"
+    assert (await client.stat(str(target)))["metadata"] == {"owner": "me", "build-id": "42"}
+
+    await client.write_file(str(target), b"v2")  # an upload without metadata clears it
+    assert "metadata" not in await client.stat(str(target))
+    assert target.read_bytes() == b"v2"
+
+    for bad in ({"X-Metadata-K": "caf\u00e9".encode("latin-1")}, {"X-Metadata-" + "k" * 247: "v"},
+                {f"X-Metadata-K{i}": "v" * 100 for i in range(45)}):
+        resp = await http.post("/files", params={"path": str(tmp_path / "bad.txt")}, content=b"x",
+                               headers={"Content-Type": "application/octet-stream", **bad})
+        assert resp.status_code == 400, bad
+        assert not (tmp_path / "bad.txt").exists()
+
+
+async def test_ranged_download(http: httpx.AsyncClient, tmp_path: Path) -> None:
+    data = bytes(range(256)) * 40
+    (tmp_path / "r.bin").write_bytes(data)
+    params = {"path": str(tmp_path / "r.bin")}
+    for spec, (start, end) in (("bytes=0-9", (0, 10)), ("bytes=100-", (100, len(data))),
+                               ("bytes=-16", (len(data) - 16, len(data))), ("bytes=10-999999", (10, len(data)))):
+        resp = await http.get("/files", params=params, headers={"Range": spec})  # httpx also accepts gzip
+        assert resp.status_code == 206, spec
+        assert resp.content == data[start:end]
+        assert resp.headers["content-range"] == f"bytes {start}-{end - 1}/{len(data)}"
+    resp = await http.get("/files", params=params, headers={"Range": f"bytes={len(data)}-"})
+    assert resp.status_code == 416
+    resp = await http.get("/files", params=params, headers={"Range": "bytes=0-1,5-6"})  # several: whole file
+    assert resp.status_code == 200 and resp.content == data

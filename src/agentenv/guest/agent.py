@@ -77,6 +77,8 @@ from agentlib.fsutil import (
     move,
     open_upload_target,
     remove,
+    set_metadata,
+    upload_metadata,
     write_all,
 )
 from agentlib.httpio import Request, Response, read_envelopes, read_request
@@ -421,6 +423,9 @@ class Agent:
                 raise HttpError(400, f"path '{path}' is not a regular file")
             if encoding is None:
                 raise HttpError(406, "no acceptable content encoding (gzip and identity are supported)")
+            span = None if "if-range" in req.headers else byte_range(req.headers.get("range"), st.st_size)
+            if span is not None:
+                encoding = "identity"  # a range is of the file's bytes: serve them as they are
             headers = {"Content-Type": "application/octet-stream",
                        "Content-Disposition": content_disposition(os.path.basename(path)),
                        "Vary": "Accept-Encoding"}
@@ -435,10 +440,15 @@ class Agent:
                     offset += FILE_CHUNK
                     await resp.write(data)
                 return await resp.finish(deflate.flush())
-            await resp.start(200, headers, st.st_size)
-            sent = 0
-            while sent < st.st_size:
-                data = await blocking(os.pread, fd, min(FILE_CHUNK, st.st_size - sent), sent)
+            headers["Accept-Ranges"] = "bytes"
+            start, end = 0, st.st_size
+            if span is not None:
+                start, end = span
+                headers["Content-Range"] = f"bytes {start}-{end - 1}/{st.st_size}"
+            await resp.start(206 if span else 200, headers, end - start)
+            sent = start
+            while sent < end:
+                data = await blocking(os.pread, fd, min(FILE_CHUNK, end - sent), sent)
                 if not data:  # the file shrank: we cannot honour Content-Length; drop the connection
                     resp.keep_alive = False
                     return
@@ -453,6 +463,7 @@ class Agent:
         query_path = req.query.get("path")
         written = []
         try:
+            metadata = upload_metadata(req.headers)
             if ctype.lower().startswith("multipart/form-data"):
                 boundary = disposition_params(ctype).get("boundary")
                 if not boundary:
@@ -463,21 +474,22 @@ class Agent:
                         dest = query_path or params.get("filename")
                         if not dest:
                             raise HttpError(400, "no path query parameter and no part filename")
-                        written.append(await self.store(dest, body, user, gzipped))
+                        written.append(await self.store(dest, body, user, gzipped, metadata))
                 await req.drain()  # the epilogue after the closing boundary
             else:
                 if not query_path:
                     raise HttpError(400, "the path query parameter is required")
-                written.append(await self.store(query_path, req.chunks(), user, gzipped))
+                written.append(await self.store(query_path, req.chunks(), user, gzipped, metadata))
         except HttpError:
             await req.drain()  # read the rest so the client gets our answer, not a reset
             raise
         await resp.send_json(200, written)
 
-    async def store(self, dest: str, chunks: AsyncIterator[bytes], user: User, gzipped: bool) -> dict:
+    async def store(self, dest: str, chunks: AsyncIterator[bytes], user: User, gzipped: bool,
+                    metadata: dict[str, str]) -> dict:
         """Stream one upload to disk with bounded memory. A failed or interrupted upload leaves
         nothing behind: a new file is deleted, an existing one keeps its old content (see
-        ``open_upload_target``)."""
+        ``open_upload_target``). ``metadata`` replaces the file's metadata xattrs."""
         path = self.resolve(dest, user)
         if os.path.isdir(path):
             raise HttpError(400, f"path '{path}' is a directory")
@@ -505,6 +517,8 @@ class Agent:
                 if not inflate.eof:
                     raise zlib.error("truncated gzip stream")
             await blocking(write_all, fd, bytes(buf))
+            if metadata:
+                await blocking(set_metadata, fd, metadata)
             if tmp is not None:
                 await blocking(install_file, fd, tmp, real_path, user)
                 tmp = None  # it is the final file now
@@ -516,6 +530,8 @@ class Agent:
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise HttpError(507, f"not enough disk space to write '{path}'") from None
+            if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP) and metadata:
+                raise HttpError(400, f"the filesystem of '{path}' cannot store metadata (xattrs)") from None
             raise HttpError(400 if exc.errno in (errno.ENOTDIR, errno.EISDIR) else 500,
                             f"cannot write '{path}': {exc.strerror}") from None
         finally:
@@ -524,7 +540,10 @@ class Agent:
             if not done and fd >= 0:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp if tmp is not None else real_path)
-        return {"path": path, "name": os.path.basename(path), "type": "file"}
+        item = {"path": path, "name": os.path.basename(path), "type": "file"}
+        if metadata:
+            item["metadata"] = metadata
+        return item
 
     # ---- connection loop ----------------------------------------------------------------
 
@@ -585,6 +604,23 @@ def negotiate_encoding(accept: str | None) -> str | None:
     if q.get("gzip", q.get("x-gzip", q.get("*", 0.0))) > 0:
         return "gzip"
     return "identity" if q.get("identity", q.get("*", 1.0)) > 0 else None
+
+
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a single ``Range: bytes=a-b`` / ``a-`` / ``-n`` request; None serves the
+    whole file (no header, several ranges, other units); unsatisfiable is 416."""
+    if not header or not (m := re.fullmatch(r"\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*", header)):
+        return None
+    first, last = m.group(1), m.group(2)
+    if not first and not last:
+        return None
+    if not first:  # suffix: the last n bytes
+        start, end = max(0, size - int(last)), size
+    else:
+        start, end = int(first), min(size, int(last) + 1) if last else size
+    if start >= size or start >= end:
+        raise HttpError(416, f"range '{header}' not satisfiable for a file of {size} bytes")
+    return start, end
 
 
 def read_compressed(fd: int, offset: int, left: int, deflate: Any) -> bytes | None:

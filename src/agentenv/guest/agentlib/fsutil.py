@@ -253,3 +253,29 @@ def install_file(fd: int, tmp: str, path: str, user: User) -> None:
     os.fchmod(fd, mode)
     chown_to(fd, user)
     os.replace(tmp, path)
+
+
+METADATA_XATTR = "user.e2b."  # EntryInfo.metadata: these xattrs, prefix stripped
+METADATA_HEADER = "x-metadata-"
+
+
+def upload_metadata(headers: dict[str, str]) -> dict[str, str]:
+    """The ``X-Metadata-<key>: <value>`` headers of an upload (reference §4.8): keys lower-cased,
+    keys and values printable ASCII, a key at most 246 bytes, all of it at most 4096 bytes."""
+    metadata = {}
+    for name, value in headers.items():
+        if name.startswith(METADATA_HEADER):
+            key = name[len(METADATA_HEADER):]
+            if not key or len(key) > 246 or not all(" " <= c <= "~" for c in key + value):
+                raise HttpError(400, f"invalid metadata header '{name}': keys and values must be "
+                                     "printable ASCII and keys at most 246 bytes")
+            metadata[key] = value
+    if sum(len(k) + len(v) for k, v in metadata.items()) > 4096:
+        raise HttpError(400, "metadata exceeds 4096 bytes")
+    return metadata
+
+
+def set_metadata(fd: int, metadata: dict[str, str]) -> None:
+    """Store upload metadata as ``user.e2b.*`` xattrs of the (new inode of the) written file."""
+    for key, value in metadata.items():
+        os.setxattr(fd, METADATA_XATTR + key, value.encode())
