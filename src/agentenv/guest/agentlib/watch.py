@@ -36,6 +36,7 @@ from .common import (
     CallContext,
     ConnectError,
     User,
+    blocking,
     field,
     log,
 )
@@ -96,8 +97,13 @@ class Watcher:
         self.dirs: dict[int, str] = {}     # watch descriptor -> directory path
         self._upload_cookies: set[int] = set()
 
-    def start(self, allow_network_mounts: bool) -> None:
-        """Validate the root and add the watches (raises ConnectError); then events flow."""
+    async def start(self, allow_network_mounts: bool) -> None:
+        """Validate the root and add the watches (raises ConnectError); then events flow. The
+        walk of a big tree runs in the thread pool, so it does not stall other requests."""
+        await blocking(self._open, allow_network_mounts)
+        asyncio.get_running_loop().add_reader(self.fd, self._on_readable)
+
+    def _open(self, allow_network_mounts: bool) -> None:
         if not os.path.lexists(self.root):
             raise ConnectError("not_found", f"path '{self.root}' does not exist")
         if not os.path.isdir(self.root):
@@ -118,7 +124,6 @@ class Watcher:
             os.close(self.fd)
             self.fd = -1
             raise
-        asyncio.get_running_loop().add_reader(self.fd, self._on_readable)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -254,7 +259,7 @@ class WatchService:
                 log(f"watch: client of '{root}' is too slow, dropping events")
 
         watcher = Watcher(root, recursive, include_entry, sink)
-        watcher.start(allow_network)
+        await watcher.start(allow_network)
         deadline = time.monotonic() + ctx.timeout if ctx.timeout is not None else None
         last_sent = time.monotonic()
         try:
@@ -284,7 +289,7 @@ class WatchService:
     async def rpc_create_watcher(self, msg: dict, ctx: CallContext) -> dict:
         root, recursive, include_entry, allow_network = self._watcher_args(msg, ctx)
         polled = PolledWatcher(root, recursive, include_entry)
-        polled.watcher.start(allow_network)
+        await polled.watcher.start(allow_network)
         watcher_id = os.urandom(16).hex()
         self.polled[watcher_id] = polled
         return {"watcherId": watcher_id}
