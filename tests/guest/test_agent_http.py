@@ -419,3 +419,26 @@ async def test_ranged_download(http: httpx.AsyncClient, tmp_path: Path) -> None:
     assert resp.status_code == 416
     resp = await http.get("/files", params=params, headers={"Range": "bytes=0-1,5-6"})  # several: whole file
     assert resp.status_code == 200 and resp.content == data
+
+
+async def test_files_compose(http: httpx.AsyncClient, client: EnvdClient, tmp_path: Path) -> None:
+    for i in range(3):
+        (tmp_path / f"part{i}").write_bytes(f"<{i}>".encode() * 1000)
+    body = {"source_paths": [str(tmp_path / f"part{i}") for i in range(3)], "destination": str(tmp_path / "out" / "all.bin")}
+    resp = await http.post("/files/compose", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["path"] == str(tmp_path / "out" / "all.bin") and resp.json()["size"] == "9000"
+    assert (tmp_path / "out" / "all.bin").read_bytes() == b"<0>" * 1000 + b"<1>" * 1000 + b"<2>" * 1000
+    assert not any((tmp_path / f"part{i}").exists() for i in range(3))
+
+    (tmp_path / "a").write_bytes(b"A")
+    resp = await http.post("/files/compose", json={"source_paths": [str(tmp_path / "a"), str(tmp_path / "gone")],
+                                                   "destination": str(tmp_path / "out" / "all.bin")})
+    assert resp.status_code == 404
+    assert (tmp_path / "a").read_bytes() == b"A", "a failed compose changes nothing"
+    assert (tmp_path / "out" / "all.bin").stat().st_size == 9000
+    assert (await http.post("/files/compose", json={"destination": "x"})).status_code == 400
+
+    await client.init(sandbox_id="s", template_id="t", env_vars={}, access_token="tok")
+    resp = await http.post("/files/compose", json={"source_paths": [str(tmp_path / "a")], "destination": str(tmp_path / "b")})
+    assert resp.status_code == 401 and (tmp_path / "a").exists()

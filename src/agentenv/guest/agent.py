@@ -68,6 +68,7 @@ from agentlib.common import (
 )
 from agentlib.fsutil import (
     Multipart,
+    compose_files,
     disposition_params,
     entry_info,
     install_file,
@@ -172,11 +173,12 @@ class Agent:
         if path == "/files" and method in ("GET", "POST"):
             user = self._files_auth(req, "read" if method == "GET" else "write")
             return await (self.download(req, resp, user) if method == "GET" else self.upload(req, resp, user))
+        if path == "/files/compose" and method == "POST":
+            self._check_token(req)
+            return await self.compose(req, resp)
         if path == "/init" and method == "POST":
             return await self.init(req, resp)
-        if self.access_token is not None and not hmac.compare_digest(
-                req.headers.get("x-access-token", "").encode(), self.access_token.encode()):
-            raise HttpError(401, "unauthorized access, please provide a valid access token")
+        self._check_token(req)
         if path == "/envs" and method == "GET":
             return await resp.send_json(200, self.env_vars, {"Cache-Control": "no-store"})
         if path == "/metrics" and method == "GET":
@@ -186,6 +188,11 @@ class Agent:
                 raise HttpError(405, "method not allowed")
             return await self.rpc(req, resp)
         raise HttpError(404, f"no route for {method} {path}")
+
+    def _check_token(self, req: Request) -> None:
+        if self.access_token is not None and not hmac.compare_digest(
+                req.headers.get("x-access-token", "").encode(), self.access_token.encode()):
+            raise HttpError(401, "unauthorized access, please provide a valid access token")
 
     async def rpc(self, req: Request, resp: Response) -> None:
         """Connect protocol: unary calls answer JSON; server streams answer 5-byte envelopes
@@ -484,6 +491,27 @@ class Agent:
             await req.drain()  # read the rest so the client gets our answer, not a reset
             raise
         await resp.send_json(200, written)
+
+    async def compose(self, req: Request, resp: Response) -> None:
+        """``POST /files/compose {source_paths, destination, username?}`` -> EntryInfo of the result."""
+        body = parse_json_object(await req.read_body())
+        name = field(body, "username") or self.default_user
+        user = lookup_user(str(name))
+        if user is None:
+            raise HttpError(401, f"invalid username: '{name}'")
+        sources, destination = field(body, "sourcePaths"), body.get("destination")
+        if not isinstance(sources, list) or not sources or not all(isinstance(s, str) and s for s in sources):
+            raise HttpError(400, "source_paths must be a non-empty list of paths")
+        if not isinstance(destination, str) or not destination:
+            raise HttpError(400, "destination is required")
+        dest = self.resolve(destination, user)
+        try:
+            await blocking(compose_files, [self.resolve(s, user) for s in sources], dest, user)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise HttpError(507, f"not enough disk space to write '{dest}'") from None
+            raise HttpError(500, f"cannot compose '{dest}': {exc.strerror}") from None
+        await resp.send_json(200, await blocking(entry_info, dest))
 
     async def store(self, dest: str, chunks: AsyncIterator[bytes], user: User, gzipped: bool,
                     metadata: dict[str, str]) -> dict:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import grp
@@ -279,3 +280,35 @@ def set_metadata(fd: int, metadata: dict[str, str]) -> None:
     """Store upload metadata as ``user.e2b.*`` xattrs of the (new inode of the) written file."""
     for key, value in metadata.items():
         os.setxattr(fd, METADATA_XATTR + key, value.encode())
+
+
+def compose_files(sources: list[str], destination: str, user: User) -> None:
+    """``/files/compose``: write the concatenation of ``sources`` to ``destination`` (replacing it
+    atomically, like an upload), then delete the sources. Nothing changes if it fails."""
+    for source in sources:
+        if not os.path.lexists(source):
+            raise HttpError(404, f"path '{source}' does not exist")
+        if not os.path.isfile(source):
+            raise HttpError(400, f"path '{source}' is not a regular file")
+    if os.path.isdir(destination):
+        raise HttpError(400, f"path '{destination}' is a directory")
+    make_dirs(os.path.dirname(destination), user)
+    fd, tmp, real = open_upload_target(destination, user)
+    done = False
+    try:
+        for source in sources:
+            with open(source, "rb") as src:
+                while data := src.read(1024 * 1024):
+                    write_all(fd, data)
+        if tmp is not None:
+            install_file(fd, tmp, real, user)
+        done = True
+    finally:
+        os.close(fd)
+        if not done:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp if tmp is not None else real)
+    for source in dict.fromkeys(sources):
+        if os.path.realpath(source) != os.path.realpath(real):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(source)
