@@ -334,6 +334,13 @@ async def test_malformed_requests_leave_the_agent_serving(agent, tmp_path: Path)
             resp = await http.post("/filesystem.Filesystem/Stat", content=b'{"path": "/"}', headers=JSON)
             assert resp.status_code == 200, "the same connection must serve the next request"
 
+        # A truncated gzip upload is refused and leaves no file.
+        resp = await http.post("/files", params={"path": str(tmp_path / "trunc.bin")},
+                               content=gzip.compress(os.urandom(100_000))[:-100],
+                               headers={"Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
+        assert resp.status_code == 400 and "gzip" in resp.json()["message"]
+        assert not (tmp_path / "trunc.bin").exists()
+
     # Broken HTTP framing gets a 400 and a closed connection; the agent itself is unaffected.
     host, port = agent.url.removeprefix("http://").split(":")
     for raw in (b"POST /filesystem.Filesystem/Stat HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
