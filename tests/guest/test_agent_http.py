@@ -264,7 +264,7 @@ async def test_non_utf8_and_unicode_names(http: httpx.AsyncClient, client: EnvdC
     resp = await http.post(f"/files?path={urllib.parse.quote(new_raw)}", content=b"up",
                            headers={"Content-Type": "application/octet-stream"})
     assert resp.status_code == 200
-    assert open(raw_dir + b"/new-\xff.bin", "rb").read() == b"up"
+    assert Path(os.fsdecode(new_raw)).read_bytes() == b"up"
     await client.remove(os.fsdecode(raw_dir + b"/new-\xff.bin"))
     assert not os.path.exists(raw_dir + b"/new-\xff.bin")
 
