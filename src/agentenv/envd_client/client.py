@@ -126,6 +126,19 @@ def _error_from_body(status: int, body: bytes) -> EnvdError:
     return EnvdError(code, message, status)
 
 
+def _check_end_stream(body: bytes, method: str) -> None:
+    """Raise the error of a fully read Connect stream's end-of-stream envelope, if any."""
+    while len(body) >= 5:
+        flags, length = struct.unpack(">BI", body[:5])
+        payload, body = body[5:5 + length], body[5 + length:]
+        if flags & _END_STREAM:
+            error = json.loads(payload or b"{}").get("error")
+            if error:
+                raise EnvdError(error.get("code", "unknown"), error.get("message", ""))
+            return
+    raise EnvdUnavailable(f"{method}: stream ended without an end-of-stream message")
+
+
 async def _call(callback: OutputCallback | None, data: bytes) -> None:
     if callback is not None:
         result = callback(data)
@@ -365,6 +378,27 @@ class EnvdClient:
     async def close_stdin(self, pid: int) -> None:
         await self.rpc("process.Process/CloseStdin", {"process": {"pid": pid}})
 
+    async def stream_input(self, pid: int, chunks: AsyncIterator[bytes], pty: bool = False) -> None:
+        """``process.Process/StreamInput``: send ``chunks`` to the process's stdin (or its PTY) in
+        order, over one client-streaming call; returns when the agent has taken all of them."""
+        kind = "pty" if pty else "stdin"
+
+        async def body() -> AsyncIterator[bytes]:
+            yield _envelope({"start": {"process": {"pid": pid}}})
+            async for chunk in chunks:
+                yield _envelope({"data": {"input": {kind: base64.b64encode(chunk).decode()}}})
+
+        request = self._http.build_request(
+            "POST", "/process.Process/StreamInput", content=body(),
+            headers=self._headers(**{"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}),
+            timeout=httpx.Timeout(self.timeout, write=None))
+        resp = await self._send_stream(request, "process.Process/StreamInput")
+        try:
+            body_bytes = await resp.aread()
+        finally:
+            await resp.aclose()
+        _check_end_stream(body_bytes, "process.Process/StreamInput")
+
     # ---- filesystem -------------------------------------------------------------------------
 
     async def stat(self, path: str, user: str | None = None) -> dict:
@@ -393,12 +427,49 @@ class EnvdClient:
         """Recursive remove; a missing path is not an error."""
         await self.rpc("filesystem.Filesystem/Remove", {"path": path}, user)
 
+    async def watch_dir(self, path: str, recursive: bool = False, user: str | None = None,
+                        timeout: float | None = None, include_entry: bool = False) -> AsyncIterator[dict]:
+        """``filesystem.Filesystem/WatchDir``: yield ``FilesystemEvent`` dicts (``{"name": "a.txt",
+        "type": "EVENT_TYPE_CREATE", "entry"?: {...}}``) as they happen; names are relative to
+        ``path``. The first yield comes once the watch is in place. ``timeout`` ends the watch
+        with ``EnvdError("deadline_exceeded")``."""
+        message = {"path": path, "recursive": recursive, "includeEntry": include_entry}
+        first = True
+        async with aclosing(self._server_stream("filesystem.Filesystem/WatchDir", message, user, timeout)) as payloads:
+            async for payload in payloads:
+                if "start" in payload and first:
+                    first = False
+                    yield {"start": True}
+                elif "filesystem" in payload:
+                    yield payload["filesystem"]
+
+    async def create_watcher(self, path: str, recursive: bool = False, user: str | None = None) -> str:
+        """A polling watcher (``CreateWatcher``); returns its id for :meth:`watcher_events`."""
+        return (await self.rpc("filesystem.Filesystem/CreateWatcher",
+                               {"path": path, "recursive": recursive}, user))["watcherId"]
+
+    async def watcher_events(self, watcher_id: str) -> list[dict]:
+        """Events since the last call (``GetWatcherEvents``)."""
+        return (await self.rpc("filesystem.Filesystem/GetWatcherEvents", {"watcherId": watcher_id})).get(
+            "events", [])
+
+    async def remove_watcher(self, watcher_id: str) -> None:
+        await self.rpc("filesystem.Filesystem/RemoveWatcher", {"watcherId": watcher_id})
+
+    async def metrics(self) -> dict:
+        """``GET /metrics``: ``ts``, ``cpu_count``, ``cpu_used_pct``, ``mem_*`` and ``disk_*`` (bytes)."""
+        resp = await self._request("GET", "/metrics", headers=self._headers())
+        if resp.status_code != 200:
+            raise _error_from_body(resp.status_code, resp.content)
+        return resp.json()
+
     def _file_params(self, path: str, user: str | None) -> dict[str, str]:
         return {"path": path, **({"username": user} if user else {})}
 
     async def read_file(self, path: str, user: str | None = None) -> bytes:
+        # identity: the agent gzips when asked (as envd does), which only costs guest CPU here.
         resp = await self._request("GET", "/files", params=self._file_params(path, user),
-                                   headers=self._headers())
+                                   headers=self._headers(**{"Accept-Encoding": "identity"}))
         if resp.status_code != 200:
             raise _error_from_body(resp.status_code, resp.content)
         return resp.content
@@ -406,7 +477,7 @@ class EnvdClient:
     async def download(self, path: str, user: str | None = None) -> AsyncIterator[bytes]:
         """Stream a file's content in chunks without holding it in memory."""
         request = self._http.build_request("GET", "/files", params=self._file_params(path, user),
-                                           headers=self._headers())
+                                           headers=self._headers(**{"Accept-Encoding": "identity"}))
         resp = await self._send_stream(request, "GET /files")
         try:
             async for chunk in resp.aiter_bytes():

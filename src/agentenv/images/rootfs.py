@@ -26,11 +26,17 @@ DISK_SIZE_MB = 4096
 
 
 def _guest_files() -> dict[str, bytes]:
+    """Every file the guest needs, by its path in the image: the agent (``agent.py`` plus all
+    modules of its ``agentlib`` package) and the init. All of them feed the image's hash."""
     g = resources.files("agentenv.guest")
-    return {
+    files = {
         "opt/agentenv/agent.py": g.joinpath("agent.py").read_bytes(),
         "opt/agentenv/init": g.joinpath("init.sh").read_bytes(),
     }
+    for module in sorted(g.joinpath("agentlib").iterdir(), key=lambda m: m.name):
+        if module.name.endswith(".py"):
+            files[f"opt/agentenv/agentlib/{module.name}"] = module.read_bytes()
+    return files
 
 
 def _debian_tarball(cache: Path, packages: tuple[str, ...]) -> Path:

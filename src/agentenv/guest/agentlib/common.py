@@ -1,0 +1,160 @@
+"""Shared pieces of the guest agent: constants, errors, JSON and Connect helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import struct
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SETPRIV = shutil.which("setpriv", path=DEFAULT_PATH)  # util-linux; None in images without it
+OUTPUT_CHUNK = 32 * 1024        # max payload of one process data event (envd uses 32 KiB)
+FILE_CHUNK = 1024 * 1024        # unit of disk and socket I/O for /files
+MAX_MESSAGE = 16 * 1024 * 1024  # max size of one RPC request message
+UPLOAD_PREFIX = ".aenv-upload-"  # hidden temp files of uploads that replace an existing file
+IDLE_TIMEOUT = 640.0            # keep-alive idle timeout, longer than the proxies' 610/620 s
+DEFAULT_KEEPALIVE = 90.0        # envd's default keepalive interval for streams
+DISCONNECT_POLL = 1.0           # an idle server stream checks this often whether its client left
+EXIT_GRACE = 1.0                # wait this long for pipes to close after the main process exits
+FINISHED_TTL = 300.0            # finished processes stay visible to Process.Connect this long
+SIGNALS = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM}
+CONNECT_STATUS = {
+    "canceled": 499, "unknown": 500, "internal": 500, "data_loss": 500, "invalid_argument": 400,
+    "failed_precondition": 400, "out_of_range": 400, "deadline_exceeded": 504, "not_found": 404,
+    "already_exists": 409, "aborted": 409, "permission_denied": 403, "resource_exhausted": 429,
+    "unimplemented": 501, "unavailable": 503, "unauthenticated": 401,
+}
+CORS_HEADERS = {
+    "Access-Control-Allow-Methods": "HEAD, GET, POST, PUT, PATCH, DELETE",
+    "Access-Control-Allow-Headers": "*",
+    "Access-Control-Expose-Headers": "Connect-Protocol-Version, Connect-Timeout-Ms, Grpc-Status, "
+    "Grpc-Message, Location, Cache-Control, X-Content-Type-Options",
+    "Access-Control-Max-Age": "7200",
+}
+
+
+def log(message: str) -> None:
+    """Log to stderr, which the guest init forwards to the serial console."""
+    print(f"{time.strftime('%H:%M:%S')} agent: {message}", file=sys.stderr, flush=True)
+
+
+class ConnectError(Exception):
+    """An RPC failure with a Connect error code such as ``not_found``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class HttpError(Exception):
+    """A plain-HTTP failure, rendered as envd's ``{"code": <int>, "message": ...}`` body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+
+def json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def parse_json_object(data: bytes) -> dict:
+    """Decode a JSON request message; anything but an object is an ``invalid_argument``."""
+    try:
+        obj = json.loads(data) if data.strip() else {}
+    except ValueError as exc:
+        raise ConnectError("invalid_argument", f"invalid JSON message: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ConnectError("invalid_argument", "message must be a JSON object")
+    return obj
+
+
+def envelope(flags: int, obj: Any) -> bytes:
+    data = json_bytes(obj)
+    return struct.pack(">BI", flags, len(data)) + data
+
+
+def b64decode(value: Any) -> bytes:
+    """Decode proto3 JSON ``bytes`` (standard or URL-safe alphabet, padding optional)."""
+    try:
+        text = str(value).replace("-", "+").replace("_", "/")
+        return base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except ValueError:
+        raise ConnectError("invalid_argument", "invalid base64 data") from None
+
+
+def field(msg: dict, camel: str, default: Any = None) -> Any:
+    """Read a proto3 JSON field given in lowerCamelCase or in its original snake_case."""
+    value = msg.get(camel)
+    if value is None:
+        value = msg.get(re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), camel))
+    return default if value is None else value
+
+
+
+async def blocking(fn: Callable, *args: Any) -> Any:
+    """Run blocking filesystem work in the thread pool so the event loop stays responsive."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+class User(NamedTuple):
+    name: str
+    uid: int
+    gid: int
+    home: str
+    groups: list[int]
+
+
+def lookup_user(name: str) -> User | None:
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        return None
+    try:
+        groups = os.getgrouplist(name, pw.pw_gid)
+    except OSError:
+        groups = [pw.pw_gid]
+    return User(name, pw.pw_uid, pw.pw_gid, pw.pw_dir, groups)
+
+
+class CallContext:
+    """Per-RPC data: headers, Connect deadline, keepalive interval and the requested user.
+    ``client_gone()`` tells an idle server stream that its client closed the connection."""
+
+    @staticmethod
+    def client_gone() -> bool:
+        return False
+
+    def __init__(self, default_user: str, headers: dict[str, str]) -> None:
+        self.default_user, self.headers = default_user, headers
+        try:
+            ms = headers.get("connect-timeout-ms")
+            self.timeout = int(ms) / 1000.0 if ms else None
+            self.keepalive = float(headers.get("keepalive-ping-interval") or DEFAULT_KEEPALIVE)
+        except ValueError:
+            raise ConnectError("invalid_argument", "invalid Connect-Timeout-Ms or Keepalive-Ping-Interval") from None
+        self.keepalive = self.keepalive if self.keepalive > 0 else DEFAULT_KEEPALIVE
+
+    def user(self) -> User:
+        """The user from ``Authorization: Basic base64("<user>:")``, else the default user."""
+        name = self.default_user
+        auth = self.headers.get("authorization", "")
+        if auth[:6].lower() == "basic ":
+            try:
+                name = base64.b64decode(auth[6:].strip()).decode().partition(":")[0]
+            except ValueError:
+                raise ConnectError("unauthenticated", "invalid Authorization header") from None
+        user = lookup_user(name)
+        if user is None:
+            raise ConnectError("unauthenticated", f"invalid username: '{name}'")
+        return user
