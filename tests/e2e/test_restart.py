@@ -23,7 +23,7 @@ def test_restart_readopts_running_sandboxes(tmp_path: Path) -> None:
             (doomed_pid,) = host.qemu_pids(doomed)
         # uvicorn re-raises the signal after its graceful shutdown, hence -SIGTERM.
         assert s.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
-        assert "orchestrator stopped cleanly; 2 running sandboxes left" in s.log.read_text()
+        assert "orchestrator stopped cleanly; 2 running and 0 paused sandboxes left" in s.log.read_text()
         assert host.qemu_pids(keep), "SIGTERM must not kill sandboxes"
         os.kill(doomed_pid, signal.SIGKILL)  # this one dies while the server is down
         s.start()
