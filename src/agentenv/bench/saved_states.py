@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from agentenv.bench.node import LocalNode, qemu_pids
+from agentenv.bench.stats import wait_pool
 from agentenv.config import Settings
 from agentenv.envd_client import EnvdClient
 from agentenv.network import SlotPool, host_firewall_down, host_firewall_up
@@ -59,9 +60,11 @@ def bench_pause_resume(node: LocalNode, api: httpx.Client, runs: int) -> dict[st
             sid = _create(api)
             try:
                 _run(api, sid, _dirty(mib))
+                wait_pool(node)  # no warm-pool refill competing for the CPU while measuring
                 t0 = time.perf_counter()
                 api.post(f"/sandboxes/{sid}/pause").raise_for_status()
                 pauses.append(_ms(t0))
+                wait_pool(node)
                 t0 = time.perf_counter()
                 api.post(f"/sandboxes/{sid}/resume", json={"timeout": 900}).raise_for_status()
                 resumes.append(_ms(t0))
@@ -85,6 +88,7 @@ def bench_snapshot_disk(node: LocalNode, api: httpx.Client, runs: int) -> dict[s
             out["snapshot_idle_ms"].append(_ms(t0))
             api.delete(f"/snapshots/{r.json()['snapshotID']}")
             _run(api, sid, f"dd if=/dev/zero of=/home/user/big{i} bs=4M count=256 oflag=direct 2>/dev/null")
+            wait_pool(node)
             t0 = time.perf_counter()
             r = api.post(f"/sandboxes/{sid}/snapshots", json={})
             r.raise_for_status()
@@ -112,6 +116,7 @@ def bench_fork(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[
         kids: list[str] = []
         try:
             _run(api, src, _dirty(20))
+            wait_pool(node)
             t0 = time.perf_counter()
             r = api.post(f"/sandboxes/{src}/fork", json={"count": 16})
             r.raise_for_status()
@@ -135,6 +140,7 @@ def bench_fork(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[
         snap = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
         child = _create(api, snap)
         for _ in range(runs):
+            wait_pool(node)
             t0 = time.perf_counter()
             api.delete(f"/sandboxes/{child}").raise_for_status()
             child = _create(api, snap)

@@ -25,7 +25,7 @@ from agentenv.bench.saved_states import (
     bench_pause_resume,
     bench_snapshot_disk,
 )
-from agentenv.bench.stats import summarize
+from agentenv.bench.stats import summarize, wait_pool
 from agentenv.config import Settings
 from agentenv.envd_client import EnvdClient
 from agentenv.images import artifacts_present
@@ -99,12 +99,7 @@ def _create(api: httpx.Client, **body: object) -> tuple[str, float]:
 
 def _wait_pool(node: LocalNode, api: httpx.Client, timeout: float = 60) -> None:
     """Let the warm pool refill so each create measures the steady state, not a cold pool."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        d = httpx.get(node.url + "/health/details").json()
-        if d.get("poolReady", 0) >= d.get("poolSize", 0):
-            return
-        time.sleep(0.05)
+    wait_pool(node, timeout)
 
 
 def bench_create(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
+from typing import TYPE_CHECKING
+
+import httpx
+
+if TYPE_CHECKING:
+    from agentenv.bench.node import LocalNode
 
 
 def summarize(samples: list[float]) -> dict[str, float | int]:
@@ -13,3 +20,14 @@ def summarize(samples: list[float]) -> dict[str, float | int]:
     # Nearest-rank p99: with few runs it is the maximum, which is the honest reading.
     p99 = s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
     return {"min": round(s[0], 3), "median": round(statistics.median(s), 3), "p99": round(p99, 3), "runs": len(s)}
+
+
+def wait_pool(node: LocalNode, timeout: float = 60) -> None:
+    """Let the node's warm pool refill, so that a measurement does not share the CPU with
+    restores running in the background."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        d = httpx.get(node.url + "/health/details").json()
+        if d.get("poolReady", 0) >= d.get("poolSize", 0):
+            return
+        time.sleep(0.05)

@@ -69,6 +69,7 @@ class Checkpointer:
         self.restore_timeout_s = restore_timeout_s
         self.max_memory_layers = max_memory_layers
         self.faults = faults
+        self._background: set[asyncio.Task[None]] = set()
 
     async def _crash_point(self, name: str) -> None:
         """Tests name crash points in AENV_FAULTS; the server then stops here (hangs) so that
@@ -129,11 +130,15 @@ class Checkpointer:
                     created_at=time.time(),
                 )
                 t3 = time.perf_counter()
-                await asyncio.to_thread(self.repo.put, cp)
+                await asyncio.to_thread(self.repo.put, cp, kind == "snapshot")
                 t4 = time.perf_counter()
                 await self._crash_point(f"{kind}_after_publish")
                 undo.release()
                 completed = True
+            if kind == "snapshot":  # named snapshots outlive the host's page cache: write them back
+                paths = [self.repo.layer_path(r.name) for r in (*cp.memory, cp.device, *cp.disk)]
+                self._background.add(asyncio.get_running_loop().create_task(asyncio.to_thread(_sync_files, paths)))
+                self._background = {t for t in self._background if not t.done()}
             log.info("%s of %s: %d pages, VM stopped %.1f ms (before memory %.1f, memory %.1f, device+import "
                      "%.1f, manifest %.1f)", kind, rec.id, info.pages, (time.perf_counter() - t0) * 1e3,
                      (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3)
@@ -204,6 +209,18 @@ class Checkpointer:
         except BaseException:
             await undo.unwind()
             raise
+
+
+def _sync_files(paths: list[Path]) -> None:
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue  # collected meanwhile
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _base(base_dir: str) -> TemplateSnapshot:

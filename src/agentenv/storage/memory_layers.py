@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import xxhash
 
 from agentenv.errors import DiskFull, StorageError
@@ -239,6 +240,64 @@ class LayerFile:
         return self._view
 
 
+class _Chain:
+    """The newest version of every page a chain of layers holds, as numpy arrays over the
+    mapped layer files: sorted page numbers, and for each the layer and row holding it."""
+
+    def __init__(self, layers: Sequence[LayerFile]) -> None:
+        self.rows = [np.frombuffer(layer.view(), dtype=np.uint64, offset=PAGE, count=layer.pages * PAGE // 8)
+                     .reshape(-1, PAGE // 8) for layer in layers]
+        pages, which, row = [], [], []
+        for i, layer in enumerate(layers):
+            idx = _page_numbers(layer.runs)
+            pages.append(idx)
+            which.append(np.full(len(idx), i, dtype=np.int32))
+            row.append(np.arange(len(idx), dtype=np.int64))
+        if pages:
+            # newest first, so np.unique's first occurrence is the newest version
+            all_pages = np.concatenate(pages[::-1])
+            self.pages, first = np.unique(all_pages, return_index=True)
+            self.layer = np.concatenate(which[::-1])[first]
+            self.row = np.concatenate(row[::-1])[first]
+        else:
+            self.pages = np.zeros(0, dtype=np.int64)
+            self.layer = np.zeros(0, dtype=np.int32)
+            self.row = np.zeros(0, dtype=np.int64)
+
+    def changed(self, page_numbers: np.ndarray, data: np.ndarray) -> np.ndarray:
+        """Mask of the pages in ``data`` (rows of uint64) that differ from the chain's."""
+        out = np.ones(len(page_numbers), dtype=bool)
+        if not len(self.pages):
+            return out
+        pos = np.searchsorted(self.pages, page_numbers)
+        pos_c = np.minimum(pos, len(self.pages) - 1)
+        found = self.pages[pos_c] == page_numbers
+        for i, rows in enumerate(self.rows):
+            mask = found & (self.layer[pos_c] == i)
+            if mask.any():
+                out[mask] = (rows[self.row[pos_c[mask]]] != data[mask]).any(axis=1)
+        return out
+
+    def release(self) -> None:
+        self.rows.clear()
+
+
+def _page_numbers(runs: Sequence[Run]) -> np.ndarray:
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(f, f + c, dtype=np.int64) for f, c in runs])
+
+
+def _runs_of(pages: np.ndarray) -> list[Run]:
+    """Coalesce sorted page numbers into runs."""
+    if not len(pages):
+        return []
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(pages)]))
+    return [(int(pages[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+
+
 def capture(pid: int, mem_path: Path, out: Path, chain: Sequence[Path] = ()) -> LayerInfo:
     """Write the changed pages of QEMU ``pid``'s RAM to ``out`` (the VM must be stopped).
 
@@ -249,43 +308,36 @@ def capture(pid: int, mem_path: Path, out: Path, chain: Sequence[Path] = ()) -> 
     start, end = ram_mapping(pid, mem_path)
     runs = private_runs(pid, start, end)
     layers = [LayerFile(p) for p in chain]
+    index = _Chain(layers) if layers else None
     try:
-        known: dict[int, tuple[memoryview, int]] = {}
-        for layer in layers:
-            v = layer.view()
-            for page, off in layer.page_index().items():
-                known[page] = (v, off)
-        try:
-            return _write_layer(pid, start, end - start, runs, out, known)
-        finally:
-            known.clear()
+        return _write_layer(pid, start, end - start, runs, out, index)
     except OSError as exc:
         out.unlink(missing_ok=True)
         if exc.errno == 28:
             raise DiskFull(f"no space left on {out.parent} for the memory layer; free disk space") from exc
         raise StorageError(f"cannot write memory layer {out}: {exc}") from exc
     finally:
+        if index is not None:
+            index.release()
+        del index
         for layer in layers:
             layer.close()
 
 
-def _write_layer(pid: int, start: int, size: int, runs: list[Run], out: Path,
-                 known: dict[int, tuple[memoryview, int]]) -> LayerInfo:
+def _write_layer(pid: int, start: int, size: int, runs: list[Run], out: Path, chain: _Chain | None) -> LayerInfo:
     """Copy out of QEMU into one buffer while the previous buffer is written (a two-stage
     pipeline: both copies release the GIL, and the VM is stopped, so its CPU is free)."""
     pair = _buffers()
-    views = [p[0] for p in pair]
-    addrs = [p[1] for p in pair]
     try:
-        return _pipeline(pid, start, size, runs, out, known, views, addrs)
+        return _pipeline(pid, start, size, runs, out, chain, pair)
     finally:
         _spare.append(pair)
 
 
-_spare: list[list[tuple[memoryview, int]]] = []
+_spare: list[list[tuple[bytearray, int]]] = []
 
 
-def _buffers() -> list[tuple[memoryview, int]]:
+def _buffers() -> list[tuple[bytearray, int]]:
     """Two copy buffers, kept between captures: a fresh buffer costs a page fault per page on
     first use, which on a virtualised host is as slow as the copy itself."""
     try:
@@ -294,16 +346,16 @@ def _buffers() -> list[tuple[memoryview, int]]:
         out = []
         for _ in range(2):
             b = bytearray(b"\1" * _CHUNK)  # touched now, not during a pause
-            out.append((memoryview(b), ctypes.addressof(ctypes.c_char.from_buffer(b))))
+            out.append((b, ctypes.addressof(ctypes.c_char.from_buffer(b))))
         return out
 
 
-def _pipeline(pid: int, start: int, size: int, runs: list[Run], out: Path,
-              known: dict[int, tuple[memoryview, int]], views: list[memoryview], addrs: list[int]) -> LayerInfo:
-    kept: list[Run] = []
+def _pipeline(pid: int, start: int, size: int, runs: list[Run], out: Path, chain: _Chain | None,
+              pair: list[tuple[bytearray, int]]) -> LayerInfo:
+    kept: list[np.ndarray] = []
     digest = xxhash.xxh3_128()
 
-    def emit(f: BinaryIO, data: memoryview) -> None:
+    def emit(f: BinaryIO, data: memoryview | np.ndarray) -> None:
         f.write(data)
         digest.update(data)
 
@@ -311,29 +363,26 @@ def _pipeline(pid: int, start: int, size: int, runs: list[Run], out: Path,
         f.seek(PAGE)
         pending: Future[None] | None = None
         for i, batch in enumerate(_pieces(runs, _CHUNK // PAGE)):
-            view, addr = views[i % 2], addrs[i % 2]
+            buf, addr = pair[i % 2]
             nbytes = sum(c for _, c in batch) * PAGE
             _transfer(_libc.process_vm_readv, pid, [(addr, nbytes)],
                       [(start + first * PAGE, count * PAGE) for first, count in batch])
             if pending is not None:
                 pending.result()
-            if not known:
-                kept.extend(batch)
-                pending = writer.submit(emit, f, view[:nbytes])
+            numbers = _page_numbers(batch)
+            if chain is None:
+                kept.append(numbers)
+                pending = writer.submit(emit, f, memoryview(buf)[:nbytes])
                 continue
-            pending = None
-            off = 0
-            for first, count in batch:
-                for p in range(first, first + count):
-                    page = view[off:off + PAGE]
-                    old = known.get(p)
-                    if old is None or old[0][old[1]:old[1] + PAGE] != page:
-                        emit(f, page)
-                        kept.append((p, 1))
-                    off += PAGE
+            data = np.frombuffer(buf, dtype=np.uint64, count=nbytes // 8).reshape(-1, PAGE // 8)
+            mask = chain.changed(numbers, data)
+            kept.append(numbers[mask])
+            pending = writer.submit(emit, f, np.ascontiguousarray(data[mask]))
+            del data
         if pending is not None:
             pending.result()
-        return _seal(f, digest, size, _merge(kept), out)
+        pages = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+        return _seal(f, digest, size, _runs_of(pages), out)
 
 
 def _seal(f: BinaryIO, digest: xxhash.xxh3_128, size: int, runs: list[Run], out: Path) -> LayerInfo:
@@ -385,29 +434,35 @@ def restore(pid: int, mem_path: Path, chain: Sequence[Path]) -> int:
 def compact(chain: Sequence[Path], out: Path) -> LayerInfo:
     """Merge a chain into one layer holding the newest version of every page."""
     layers = [LayerFile(p) for p in chain]
+    index = _Chain(layers)
     try:
-        pages: dict[int, tuple[memoryview, int]] = {}
-        for layer in layers:
-            v = layer.view()
-            for page, off in layer.page_index().items():
-                pages[page] = (v, off)
-        order = sorted(pages)
         digest = xxhash.xxh3_128()
         with open(out, "wb") as f:
             f.seek(PAGE)
-            for p in order:
-                v, off = pages[p]
-                f.write(v[off:off + PAGE])
-                digest.update(v[off:off + PAGE])
-            info = _seal(f, digest, layers[-1].mapping_size, _merge([(p, 1) for p in order]), out)
-        pages.clear()
-        return info
+            _write_newest(f, index, digest)
+            return _seal(f, digest, layers[-1].mapping_size, _runs_of(index.pages), out)
     except OSError as exc:
         out.unlink(missing_ok=True)
         raise StorageError(f"cannot compact memory layers into {out}: {exc}") from exc
     finally:
+        index.release()
+        del index
         for layer in layers:
             layer.close()
+
+
+def _write_newest(f: BinaryIO, index: _Chain, digest: xxhash.xxh3_128) -> None:
+    """The newest version of each page, in page order (its own scope: no view of a layer
+    may outlive it, or the layer cannot be unmapped)."""
+    step = _CHUNK // PAGE
+    for lo in range(0, len(index.pages), step):
+        sl = slice(lo, lo + step)
+        block = np.empty((len(index.pages[sl]), PAGE // 8), dtype=np.uint64)
+        for i, rows in enumerate(index.rows):
+            mask = index.layer[sl] == i
+            block[mask] = rows[index.row[sl][mask]]
+        f.write(block)
+        digest.update(block)
 
 
 def file_digest(path: Path) -> str:

@@ -167,19 +167,23 @@ class SnapshotRepository:
 
     # -- manifests ------------------------------------------------------------------------
 
-    def put(self, cp: Checkpoint) -> None:
-        """Publish a manifest atomically: readers see the old one or the complete new one."""
+    def put(self, cp: Checkpoint, durable: bool = True) -> None:
+        """Publish a manifest atomically: readers see the old one or the complete new one.
+        ``durable`` also fsyncs it (and the directory) so it survives a host crash; a pause or
+        fork manifest only needs to survive the server, and skips the disk round trips."""
         tmp = self.staging / f"{cp.id}.json.tmp"
         with open(tmp, "w") as f:
             json.dump(cp.to_json(), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, self.manifests / f"{cp.id}.json")
-        dfd = os.open(self.manifests, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        if durable:
+            dfd = os.open(self.manifests, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
 
     def get(self, id_or_name: str) -> Checkpoint:
         if not NAME_RE.fullmatch(id_or_name):

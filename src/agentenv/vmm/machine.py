@@ -194,6 +194,7 @@ class Machine:
         node = "top" + os.urandom(4).hex()
         await self.qmp("blockdev-add", **{
             "driver": "qcow2", "node-name": node, "discard": "unmap", "backing": None,
+            "cache": {"direct": False, "no-flush": True},
             "file": {"driver": "file", "filename": str(overlay)}})
         try:
             await self.qmp("blockdev-snapshot", node=current, overlay=node)

@@ -77,7 +77,10 @@ def build_argv(spec: MachineSpec) -> list[str]:
         "-append", append,
         "-serial", f"file:{spec.console_log}",
         "-object", f"memory-backend-file,id=mem,size={spec.memory_mb}M,mem-path={spec.mem_path},share={share}",
-        "-drive", f"file={spec.disk},if=none,id=d0,format=qcow2,cache=writeback,discard=unmap",
+        # cache=unsafe: a guest flush does not fdatasync on the host. Writes still reach the
+        # host page cache (they survive QEMU and server crashes, not a host crash), and a
+        # snapshot's stop window no longer waits for the host to write back what the guest wrote.
+        "-drive", f"file={spec.disk},if=none,id=d0,format=qcow2,cache=unsafe,discard=unmap",
         "-device", "virtio-blk-device,drive=d0",
         "-object", "rng-random,id=rng0,filename=/dev/urandom",
         "-device", "virtio-rng-device,rng=rng0",
