@@ -44,6 +44,10 @@ class Settings:
     guest_aslr: bool = False  # under TCG, ASLR in the guest makes every exec 2-3x slower
     api_key: str | None = None  # overrides the generated key file
     faults: frozenset[str] = frozenset()  # injected fault points, for tests only (AENV_FAULTS)
+    # Sandbox host names are {port}-{sandboxID}.{domain} (E2B's scheme): returned to SDKs as
+    # `domain` and used by the proxy to route by Host. None: SDKs use their own E2B_DOMAIN and
+    # the proxy accepts {port}-{id}.<any domain>.
+    domain: str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -67,6 +71,7 @@ class Settings:
             tcg_tb_size_mb=int(_env("AENV_TCG_TB_MB", str(d.tcg_tb_size_mb))),
             guest_aslr=_env("AENV_GUEST_ASLR", "0") in ("1", "true", "on"),
             faults=frozenset(f for f in _env("AENV_FAULTS", "").split(",") if f),
+            domain=os.environ.get("AENV_DOMAIN") or None,
         )
         s.validate()
         return s

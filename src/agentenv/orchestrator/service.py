@@ -11,13 +11,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from agentenv.config import Settings
 from agentenv.envd_client import CommandResult, EnvdClient, ProcessEvent
 from agentenv.errors import (
     CapacityExhausted, InvalidRequest, PlatformError, SandboxNotFound, SandboxStateError,
 )
-from agentenv.network import SlotPool, host_firewall_up
+from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
 from agentenv.orchestrator.lifecycle import State, allowed
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.sandbox import LiveSandbox
@@ -47,6 +48,7 @@ class Orchestrator:
         self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots)
         self._live: dict[str, LiveSandbox] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
 
     # -- start / stop ---------------------------------------------------------------------
 
@@ -117,14 +119,22 @@ class Orchestrator:
         return v, m
 
     def validate_timeout(self, timeout_s: int) -> int:
-        if timeout_s < 0 or timeout_s > self.settings.max_timeout_s:
-            raise InvalidRequest(f"timeout must be between 0 and {self.settings.max_timeout_s} seconds, got {timeout_s}")
+        if timeout_s < 0:
+            raise InvalidRequest(f"timeout must be 0 or more seconds, got {timeout_s}")
+        if timeout_s > self.settings.max_timeout_s:
+            limit = self.settings.max_timeout_s
+            raise InvalidRequest(f"Timeout cannot be greater than {limit // 3600} hours" if limit % 3600 == 0
+                                 else f"Timeout cannot be greater than {limit} seconds")
         return timeout_s
 
     async def create(self, template: str, *, vcpus: int | None = None, memory_mb: int | None = None,
                      timeout_s: int | None = None, metadata: dict[str, str] | None = None,
-                     env_vars: dict[str, str] | None = None) -> SandboxRecord:
-        """Restore a new sandbox from the template's snapshot; returns once its agent answers."""
+                     env_vars: dict[str, str] | None = None, options: dict[str, Any] | None = None) -> SandboxRecord:
+        """Restore a new sandbox from the template's snapshot; returns once its agent answers.
+        ``options``: see ``SandboxRecord.options``; its "network" is checked by ``egress_policy``."""
+        options = dict(options or {})
+        if "network" in options:
+            options["network"] = self.egress_policy(options["network"])
         t = self.catalog.get(template)
         v, m = self.validate_shape(t, vcpus, memory_mb)
         timeout = self.validate_timeout(self.settings.default_timeout_s if timeout_s is None else timeout_s)
@@ -139,13 +149,14 @@ class Orchestrator:
             id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
             disk_mb=t.disk_mb, started_at=now, end_at=now + timeout, access_token=shell.access_token,
             run_dir=str(shell.run_dir), metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
-            slot_index=shell.slot.index,
+            slot_index=shell.slot.index, options=options,
         )
         live = LiveSandbox(rec, shell.machine, shell.slot, shell.envd)
         self._live[rec.id] = live
         try:
             # Not persisted while creating: if the server dies now, the run dir has no record
             # and recovery kills its QEMU and removes it; the caller got no answer and retries.
+            await self._apply_egress(live)  # before the guest runs a single instruction
             await self._restore(live, shell)
         except BaseException as exc:
             reason = exc.message if isinstance(exc, PlatformError) else f"create failed: {exc!r}"
@@ -184,6 +195,7 @@ class Orchestrator:
             await self._transition(live, State.KILLING)
             await self._release(live)
             self._live.pop(sandbox_id, None)
+            self._metrics.pop(sandbox_id, None)
             await self.store.delete(sandbox_id)
             await remove_tree(Path(live.record.run_dir))
 
@@ -290,3 +302,95 @@ class Orchestrator:
 
     def exec_stream(self, sandbox_id: str, cmd: str | list[str], **kw: object) -> AsyncIterator[ProcessEvent]:
         return self.envd(sandbox_id).stream(cmd, **kw)  # type: ignore[arg-type]
+
+    # -- E2B surface: egress policy, refresh, proxy routes, metrics -----------------------
+
+    @staticmethod
+    def egress_policy(network: dict[str, Any]) -> dict[str, Any]:
+        """Check and normalise a sandbox's network options: ``allowOut``/``denyOut`` (IPv4
+        addresses and CIDRs; allow beats deny), ``allowPublicTraffic``, ``maskRequestHost``."""
+        out: dict[str, Any] = {
+            "allowOut": egress_cidrs(network.get("allowOut"), "network.allowOut"),
+            "denyOut": egress_cidrs(network.get("denyOut"), "network.denyOut"),
+        }
+        if network.get("allowPublicTraffic") is not None:
+            out["allowPublicTraffic"] = bool(network["allowPublicTraffic"])
+        if network.get("maskRequestHost"):
+            out["maskRequestHost"] = str(network["maskRequestHost"])
+        return out
+
+    async def _apply_egress(self, live: LiveSandbox) -> None:
+        net = live.record.options.get("network") or {}
+        if (net.get("allowOut") or net.get("denyOut")) and live.slot is not None:
+            await set_egress(live.slot, net.get("allowOut", []), net.get("denyOut", []))
+
+    async def update_network(self, sandbox_id: str, allow_out: list[str] | None,
+                             deny_out: list[str] | None) -> SandboxRecord:
+        """Replace the egress rules of a running sandbox (omitted lists are cleared)."""
+        live = self._require(sandbox_id, {State.RUNNING})
+        net = dict(live.record.options.get("network") or {})
+        net.update(self.egress_policy({"allowOut": allow_out, "denyOut": deny_out}))
+        async with live.lock:
+            live = self._require(sandbox_id, {State.RUNNING})
+            assert live.slot is not None
+            await set_egress(live.slot, net["allowOut"], net["denyOut"])
+            live.record = live.record.with_(options={**live.record.options, "network": net})
+            await self.store.put(live.record)
+        return live.record
+
+    async def refresh(self, sandbox_id: str, duration_s: int) -> SandboxRecord:
+        """Keep a running sandbox alive for at least ``duration_s`` more seconds (never shortens)."""
+        live = self._require(sandbox_id, {State.RUNNING})
+        self.validate_timeout(duration_s)
+        end = max(live.record.end_at, time.time() + duration_s)
+        live.record = live.record.with_(end_at=end)
+        await self.store.put(live.record)
+        return live.record
+
+    def template_created_at(self, name: str) -> float:
+        """When the template's definition was last written (unix seconds)."""
+        return (self.catalog.root / name / "template.json").stat().st_mtime
+
+    def guest_address(self, sandbox_id: str) -> str:
+        """The address at which the host reaches every port of a running sandbox's guest."""
+        live = self._require(sandbox_id, {State.RUNNING})
+        assert live.slot is not None
+        return live.slot.ns_addr
+
+    async def metrics(self, sandbox_id: str, start: float | None = None,
+                      end: float | None = None) -> list[dict[str, Any]]:
+        """Resource samples of a running sandbox inside [start, end] (unix seconds).
+
+        Samples are read from the guest's /proc and statfs through the agent when asked for
+        (at most one every 5 s), not by a background poller: an idle sandbox costs nothing.
+        Each is a dict with E2B's SandboxMetric fields (timestamp as unix seconds)."""
+        live = self._require(sandbox_id, {State.RUNNING})
+        samples = self._metrics.setdefault(sandbox_id, [])
+        now = time.time()
+        if (not samples or now - samples[-1]["timestampUnix"] >= 5) and (end is None or end >= now - 1):
+            samples.append(await self._sample(live))
+            del samples[:-720]
+        lo = live.record.started_at - 1 if start is None else start
+        hi = now + 1 if end is None else end
+        return [m for m in samples if lo <= m["timestampUnix"] <= hi]
+
+    async def _sample(self, live: LiveSandbox) -> dict[str, Any]:
+        assert live.envd is not None
+        script = ("head -1 /proc/stat; sleep 0.5; head -1 /proc/stat; "
+                  "grep -E '^(MemTotal|MemAvailable|Cached):' /proc/meminfo; stat -f -c '%S %b %f' /")
+        res = await live.envd.run(["sh", "-c", script], user="root", timeout=10)
+        lines = res.stdout.decode().splitlines()
+        if res.exit_code != 0 or len(lines) < 6:
+            raise PlatformError(f"sandbox {live.id}: could not read guest metrics: {res.stderr.decode()[-300:]}")
+        a = [int(x) for x in lines[0].split()[1:]]
+        b = [int(x) for x in lines[1].split()[1:]]
+        total = sum(b) - sum(a)
+        idle = (b[3] + b[4]) - (a[3] + a[4])  # idle + iowait
+        mem = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines[2:5]}
+        bsize, blocks, free = (int(x) for x in lines[5].split())
+        return {
+            "timestampUnix": int(time.time()), "cpuCount": live.record.vcpus,
+            "cpuUsedPct": round(100.0 * (total - idle) / total, 2) if total > 0 else 0.0,
+            "memUsed": mem["MemTotal"] - mem["MemAvailable"], "memTotal": mem["MemTotal"],
+            "memCache": mem["Cached"], "diskUsed": (blocks - free) * bsize, "diskTotal": blocks * bsize,
+        }

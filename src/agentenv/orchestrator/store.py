@@ -13,6 +13,7 @@ import sqlite3
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from agentenv.orchestrator.lifecycle import State
 
@@ -31,7 +32,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     slot_index INTEGER,
     access_token TEXT NOT NULL,
     error TEXT,
-    run_dir TEXT NOT NULL
+    run_dir TEXT NOT NULL,
+    options TEXT NOT NULL DEFAULT '{}'
 );
 """
 
@@ -52,18 +54,23 @@ class SandboxRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     slot_index: int | None = None
     error: str | None = None
+    # E2B create options kept for the sandbox's life (JSON): "network" (allowOut, denyOut,
+    # allowPublicTraffic, maskRequestHost), "trafficAccessToken", "autoPause",
+    # "autoPauseMemory", "autoResume", "secure", "mcp".
+    options: dict[str, Any] = field(default_factory=dict)
 
     def with_(self, **changes: object) -> SandboxRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
 _COLS = ("id", "template", "state", "vcpus", "memory_mb", "disk_mb", "started_at", "end_at",
-         "metadata", "env_vars", "slot_index", "access_token", "error", "run_dir")
+         "metadata", "env_vars", "slot_index", "access_token", "error", "run_dir", "options")
 
 
 def _to_row(r: SandboxRecord) -> tuple[object, ...]:
     return (r.id, r.template, r.state.value, r.vcpus, r.memory_mb, r.disk_mb, r.started_at, r.end_at,
-            json.dumps(r.metadata), json.dumps(r.env_vars), r.slot_index, r.access_token, r.error, r.run_dir)
+            json.dumps(r.metadata), json.dumps(r.env_vars), r.slot_index, r.access_token, r.error, r.run_dir,
+            json.dumps(r.options))
 
 
 def _from_row(row: sqlite3.Row) -> SandboxRecord:
@@ -72,7 +79,7 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         memory_mb=row["memory_mb"], disk_mb=row["disk_mb"], started_at=row["started_at"],
         end_at=row["end_at"], metadata=json.loads(row["metadata"]), env_vars=json.loads(row["env_vars"]),
         slot_index=row["slot_index"], access_token=row["access_token"], error=row["error"],
-        run_dir=row["run_dir"],
+        run_dir=row["run_dir"], options=json.loads(row["options"] or "{}"),
     )
 
 
@@ -86,6 +93,9 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        if "options" not in cols:  # a store written before the column existed
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN options TEXT NOT NULL DEFAULT '{}'")
         self._lock = threading.Lock()
 
     def close(self) -> None:
