@@ -101,7 +101,9 @@ class SandboxProxy:
         self.dial_attempts = dial_attempts
         self.dial_delay_s = dial_delay_s
         self.watch_interval_s = watch_interval_s
-        self._client: httpx.AsyncClient | None = None
+        # One connection pool per sandbox: a new sandbox may get a killed one's address, and a
+        # kept-alive connection to a VM that is gone is never closed by its peer.
+        self._clients: dict[str, httpx.AsyncClient] = {}
         self._gone: dict[str, tuple[asyncio.Event, int]] = {}
         self._watcher: asyncio.Task[None] | None = None
 
@@ -134,16 +136,20 @@ class SandboxProxy:
     async def aclose(self) -> None:
         if self._watcher:
             self._watcher.cancel()
-        if self._client:
-            await self._client.aclose()
+        for c in self._clients.values():
+            await c.aclose()
+        self._clients.clear()
 
-    def _http_client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(
+    async def _http_client(self, sandbox_id: str) -> httpx.AsyncClient:
+        for sid in [s for s in self._clients if s != sandbox_id and not self._running(s)]:
+            await self._clients.pop(sid).aclose()
+        client = self._clients.get(sandbox_id)
+        if client is None:
+            client = self._clients[sandbox_id] = httpx.AsyncClient(
                 timeout=httpx.Timeout(connect=3.0, read=None, write=None, pool=30.0),
-                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64, keepalive_expiry=30.0),
+                limits=httpx.Limits(max_connections=256, max_keepalive_connections=16, keepalive_expiry=30.0),
                 follow_redirects=False, trust_env=False)
-        return self._client
+        return client
 
     def _lookup(self, sandbox_id: str, port: int, headers: dict[bytes, bytes]) -> tuple[str, dict[str, Any]]:
         try:
@@ -198,7 +204,7 @@ class SandboxProxy:
 
         async def exchange() -> None:
             nonlocal started
-            client = self._http_client()
+            client = await self._http_client(sandbox_id)
             resp = None
             for attempt in range(self.dial_attempts):
                 req = client.build_request(scope["method"], url, headers=fwd,
