@@ -10,6 +10,7 @@ the test asserts on them.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -43,12 +44,35 @@ def sdk_clients() -> Path:
     return SDK_CACHE
 
 
+def _remove_slots_in(cidr: str) -> None:
+    """Remove namespaces and host veths holding addresses of ``cidr`` (this server's block).
+
+    A stale one (left by an earlier run that was cut short, while another test run kept the
+    session sweep from running) would shadow the route to a new sandbox with the same address."""
+    net = ipaddress.ip_network(cidr)
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        dev, addr = line.split()[1].split("@")[0], line.split()[3]
+        if dev.startswith("ae") and ipaddress.ip_interface(addr).ip in net:
+            subprocess.run(["ip", "link", "del", dev], capture_output=True)
+    for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if ns.startswith("aenv-"):
+            a = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True,
+                               text=True).stdout
+            if a.strip() and ipaddress.ip_interface(a.split()[3]).ip in net:
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 @pytest.fixture(scope="session")
 def e2b_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    s = ServerProcess(tmp_path_factory.mktemp("e2bnode") / "data", node_cidr(24), AENV_DOMAIN=DOMAIN)
+    cidr = node_cidr(24)
+    _remove_slots_in(cidr)
+    s = ServerProcess(tmp_path_factory.mktemp("e2bnode") / "data", cidr, AENV_DOMAIN=DOMAIN)
     s.start()
     yield s
     s.kill_all()
+    _remove_slots_in(cidr)
 
 
 @pytest.fixture(scope="session")
