@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import unquote
 
@@ -170,10 +170,13 @@ async def list_sandboxes_v2(request: Request, response: Response, state: str | N
     recs = _select(orch, _parse_states(state, {"running", "paused"}), _parse_metadata(metadata))
     if startedAfter:
         try:
-            after = datetime.fromisoformat(startedAfter.replace("Z", "+00:00")).timestamp()
+            after = datetime.fromisoformat(startedAfter.replace("Z", "+00:00"))
         except ValueError as exc:
             raise InvalidRequest(f"startedAfter must be an RFC 3339 time, got '{startedAfter}'") from exc
-        recs = [r for r in recs if r.started_at >= after]
+        if after.tzinfo is None:
+            after = after.replace(tzinfo=timezone.utc)
+        # Compared as datetimes (microseconds), as the times were given out in startedAt.
+        recs = [r for r in recs if datetime.fromtimestamp(r.started_at, timezone.utc) >= after]
     if template:
         recs = [r for r in recs if r.template == template]
     recs.sort(key=_cursor, reverse=order == "desc")
