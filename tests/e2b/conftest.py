@@ -95,10 +95,10 @@ class SDK:
                    E2B_DOMAIN=DOMAIN, AENV_TEST_SERVER=self.server.url)
         return env
 
-    def python(self, version: str, program: str, timeout: float = 300, **env: str) -> dict:
+    def python(self, version: str, program: str, timeout: float = 300, wrap: tuple[str, ...] = (), **env: str) -> dict:
         path = self.tmp / f"prog_{abs(hash(program))}.py"
         path.write_text(textwrap.dedent(program))
-        return self._run([str(self.cache / f"py-{version}" / "bin" / "python"), str(path)], timeout, env)
+        return self._run([*wrap, str(self.cache / f"py-{version}" / "bin" / "python"), str(path)], timeout, env)
 
     def node(self, program: str, timeout: float = 300, **env: str) -> dict:
         project = self.cache / f"js-{JS_VERSION}"
@@ -112,7 +112,7 @@ class SDK:
     def _run(self, argv: list[str], timeout: float, env: dict[str, str]) -> dict:
         r = subprocess.run(argv, env={**self.env(), **env}, capture_output=True, text=True, timeout=timeout)
         assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]  # the last one is the result
         assert lines, f"no JSON result\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
         return json.loads(lines[-1])  # type: ignore[no-any-return]
 
