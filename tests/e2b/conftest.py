@@ -39,7 +39,7 @@ def sdk_clients() -> Path:
     env = {**os.environ, "AENV_SDK_CACHE": str(SDK_CACHE), "AENV_E2B_PY_VERSIONS": f"{PY_LATEST} {PY_245} {PY_1X}",
            "AENV_E2B_JS_VERSION": JS_VERSION}
     env.setdefault("AENV_PYTHON", sys.executable if sys.version_info >= (3, 11) else "python3")
-    r = subprocess.run([str(ROOT / "scripts" / "sdk-clients")], env=env, capture_output=True, text=True)
+    r = subprocess.run([str(ROOT / "scripts" / "sdk-clients")], env=env, capture_output=True, check=False, text=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return SDK_CACHE
 
@@ -50,18 +50,18 @@ def _remove_slots_in(cidr: str) -> None:
     A stale one (left by an earlier run that was cut short, while another test run kept the
     session sweep from running) would shadow the route to a new sandbox with the same address."""
     net = ipaddress.ip_network(cidr)
-    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, check=False, text=True).stdout
     for line in out.splitlines():
         dev, addr = line.split()[1].split("@")[0], line.split()[3]
         if dev.startswith("ae") and ipaddress.ip_interface(addr).ip in net:
-            subprocess.run(["ip", "link", "del", dev], capture_output=True)
-    for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines():
+            subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
+    for line in subprocess.run(["ip", "netns", "list"], capture_output=True, check=False, text=True).stdout.splitlines():
         ns = line.split()[0] if line.strip() else ""
         if ns.startswith("aenv-"):
-            a = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True,
+            a = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True, check=False,
                                text=True).stdout
             if a.strip() and ipaddress.ip_interface(a.split()[3]).ip in net:
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +110,7 @@ class SDK:
             path.unlink()
 
     def _run(self, argv: list[str], timeout: float, env: dict[str, str]) -> dict:
-        r = subprocess.run(argv, env={**self.env(), **env}, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(argv, env={**self.env(), **env}, capture_output=True, check=False, text=True, timeout=timeout)
         assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]  # the last one is the result
         assert lines, f"no JSON result\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"

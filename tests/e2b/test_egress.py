@@ -33,8 +33,8 @@ def _sh(*argv: str) -> None:
 
 @pytest.fixture(scope="module")
 def outside() -> Iterator[None]:
-    subprocess.run(["ip", "netns", "del", NS], capture_output=True)
-    subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True)
+    subprocess.run(["ip", "netns", "del", NS], capture_output=True, check=False)
+    subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True, check=False)
     _sh("ip", "netns", "add", NS)
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -63,8 +63,8 @@ def outside() -> Iterator[None]:
         for p in procs:
             p.kill()
             p.wait()
-        subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True)
-        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+        subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True, check=False)
 
 
 PROBE = f'''

@@ -18,6 +18,7 @@ import httpx
 
 from agentenv.errors import NotFound, SandboxStateError
 from agentenv.orchestrator import Orchestrator, State
+from agentenv.proxy import websocket
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,14 @@ class ProxyMiddleware:
             if target is None:
                 return await self.app(scope, receive, send)
             if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1011,
-                            "reason": "WebSocket to sandboxes is not supported"})
-                return None
-            await self.proxy.http(scope, receive, send, *target)
+                await self.proxy.websocket(scope, receive, send, *target)
+            else:
+                await self.proxy.http(scope, receive, send, *target)
         except _Reject as r:
-            await _send_json(send, r.status, r.body)
+            if scope["type"] == "websocket":
+                await websocket.reject(scope, send, r.status, r.body)
+            else:
+                await _send_json(send, r.status, r.body)
         return None
 
 
@@ -164,6 +167,11 @@ class SandboxProxy:
                                 "token in the e2b-traffic-access-token header"})
         return addr, net
 
+    async def websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        addr, _ = self._lookup(sandbox_id, port, headers)
+        await websocket.forward(self, scope, receive, send, addr, sandbox_id, port)
+
     async def http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         raw_headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         headers = {k.lower(): v for k, v in raw_headers}
@@ -234,7 +242,7 @@ class SandboxProxy:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        gone = self._subscribe(sandbox_id)
+        gone = self.subscribe(sandbox_id)
         work = asyncio.create_task(exchange())
         watchers = [asyncio.create_task(gone.wait()), asyncio.create_task(client_gone())]
         try:
@@ -264,7 +272,7 @@ class SandboxProxy:
         finally:
             for w in watchers:
                 w.cancel()
-            self._unsubscribe(sandbox_id)
+            self.unsubscribe(sandbox_id)
 
     # -- cutting requests to sandboxes that stop running -----------------------------------------
 
@@ -274,14 +282,14 @@ class SandboxProxy:
         except NotFound:
             return False
 
-    def _subscribe(self, sandbox_id: str) -> asyncio.Event:
+    def subscribe(self, sandbox_id: str) -> asyncio.Event:
         ev, n = self._gone.get(sandbox_id, (asyncio.Event(), 0))
         self._gone[sandbox_id] = (ev, n + 1)
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch(), name="proxy-watch")
         return ev
 
-    def _unsubscribe(self, sandbox_id: str) -> None:
+    def unsubscribe(self, sandbox_id: str) -> None:
         ev, n = self._gone[sandbox_id]
         if n <= 1:
             del self._gone[sandbox_id]
