@@ -85,7 +85,11 @@ def test_background_streaming_and_stdin(sdk: SDK) -> None:
         o["bg"] = [res.exit_code, res.stdout]
         h = sb.commands.run("sleep 600", background=True)
         o["kill_bg"] = sb.commands.kill(h.pid)
-        o["listed_after_kill"] = h.pid in [p.pid for p in sb.commands.list()]
+        for _ in range(50):  # the kill is a signal: the process leaves the list once it is reaped
+            o["listed_after_kill"] = h.pid in [p.pid for p in sb.commands.list()]
+            if not o["listed_after_kill"]:
+                break
+            time.sleep(0.1)
         h = sb.commands.run("cat", background=True, stdin=True)
         sb.commands.send_stdin(h.pid, "line one\\n")
         sb.commands.send_stdin(h.pid, "line two\\n")

@@ -6,7 +6,7 @@ refused with 400 by the route, never silently dropped when it would change behav
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,7 +17,7 @@ ENVD_VERSION = "0.6.13"
 
 
 def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
 class AutoResume(BaseModel):

@@ -6,6 +6,12 @@ docs/mechanisms/networking.md.
 """
 
 from agentenv.network.rules import egress_cidrs
-from agentenv.network.slots import Slot, SlotPool, host_firewall_down, host_firewall_up, set_egress
+from agentenv.network.slots import (
+    Slot,
+    SlotPool,
+    host_firewall_down,
+    host_firewall_up,
+    set_egress,
+)
 
 __all__ = ["Slot", "SlotPool", "egress_cidrs", "host_firewall_down", "host_firewall_up", "set_egress"]

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 from agentenv.errors import ExternalCommandError, NetworkError
 from agentenv.network.rules import (
-    GUEST_ADDR, GUEST_GW, GUEST_MAC, TAP_MAC, egress_ruleset, host_ruleset, namespace_ruleset,
+    GUEST_ADDR,
+    GUEST_GW,
+    GUEST_MAC,
+    TAP_MAC,
+    egress_ruleset,
+    host_ruleset,
+    namespace_ruleset,
 )
 from agentenv.proc import run
 

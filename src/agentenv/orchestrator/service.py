@@ -371,7 +371,7 @@ class Orchestrator:
             samples.append(await self._sample(live))
             del samples[:-720]
         lo = live.record.started_at - 1 if start is None else start
-        hi = now + 1 if end is None else end
+        hi = time.time() + 1 if end is None else end  # after sampling: a sample can take seconds
         return [m for m in samples if lo <= m["timestampUnix"] <= hi]
 
     async def _sample(self, live: LiveSandbox) -> dict[str, Any]:

@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import base64
 import binascii
-from datetime import datetime, timezone
-from typing import Any
+from datetime import UTC, datetime
+from typing import Annotated, Any
 from urllib.parse import unquote
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from agentenv.api.models import (
-    ListedSandbox, NetworkConfig, NewSandbox, RefreshRequest, Sandbox, SandboxDetail, SandboxMetric,
-    TemplateInfo, TimeoutRequest, rfc3339,
+    ListedSandbox,
+    NetworkConfig,
+    NewSandbox,
+    RefreshRequest,
+    Sandbox,
+    SandboxDetail,
+    SandboxMetric,
+    TemplateInfo,
+    TimeoutRequest,
+    rfc3339,
 )
 from agentenv.errors import InvalidRequest, RequestError
 from agentenv.orchestrator import Orchestrator, SandboxRecord, State
@@ -109,10 +117,10 @@ def _parse_states(state: str | None, default: set[str] | None) -> set[str] | Non
     return wanted
 
 
-def _parse_metadata(values: list[str]) -> dict[str, str]:
+def _parse_metadata(values: list[str] | None) -> dict[str, str]:
     """E2B's ``metadata=k%3Dv%26k2%3Dv2`` (keys and values quoted once more), or ``k=v``."""
     out: dict[str, str] = {}
-    for raw in values:
+    for raw in values or []:
         for part in unquote(raw).split("&"):
             if not part:
                 continue
@@ -129,7 +137,7 @@ def _select(orch: Orchestrator, states: set[str] | None, metadata: dict[str, str
 
 @router.get("/sandboxes", response_model=list[ListedSandbox])
 async def list_sandboxes(request: Request, state: str | None = None,
-                         metadata: list[str] = Query(default=[])) -> list[ListedSandbox]:
+                         metadata: Annotated[list[str] | None, Query()] = None) -> list[ListedSandbox]:
     """v1 list: no pagination, newest first. Without ``state``, every sandbox of the node
     (including ``error`` ones, so that they can be found and killed)."""
     recs = _select(_orch(request), _parse_states(state, None), _parse_metadata(metadata))
@@ -155,7 +163,7 @@ def _decode_token(token: str) -> tuple[float, str]:
 
 @router.get("/v2/sandboxes", response_model=list[ListedSandbox])
 async def list_sandboxes_v2(request: Request, response: Response, state: str | None = None,
-                            metadata: list[str] = Query(default=[]), order: str = "desc",
+                            metadata: Annotated[list[str] | None, Query()] = None, order: str = "desc",
                             startedAfter: str | None = None, template: str | None = None,
                             limit: int = 100, nextToken: str | None = None) -> list[ListedSandbox]:
     """Running and paused sandboxes by default, newest first, ``limit`` per page; the cursor
@@ -170,13 +178,13 @@ async def list_sandboxes_v2(request: Request, response: Response, state: str | N
     recs = _select(orch, _parse_states(state, {"running", "paused"}), _parse_metadata(metadata))
     if startedAfter:
         try:
-            after = datetime.fromisoformat(startedAfter.replace("Z", "+00:00"))
+            after = datetime.fromisoformat(startedAfter)
         except ValueError as exc:
             raise InvalidRequest(f"startedAfter must be an RFC 3339 time, got '{startedAfter}'") from exc
         if after.tzinfo is None:
-            after = after.replace(tzinfo=timezone.utc)
+            after = after.replace(tzinfo=UTC)
         # Compared as datetimes (microseconds), as the times were given out in startedAt.
-        recs = [r for r in recs if datetime.fromtimestamp(r.started_at, timezone.utc) >= after]
+        recs = [r for r in recs if datetime.fromtimestamp(r.started_at, UTC) >= after]
     if template:
         recs = [r for r in recs if r.template == template]
     recs.sort(key=_cursor, reverse=order == "desc")
