@@ -44,10 +44,6 @@ class _Reject(Exception):
         self.body = body
 
 
-class _SandboxGone(Exception):
-    """The sandbox stopped running while a response was streaming: drop the connection."""
-
-
 class _ClientGone(Exception):
     """The client disconnected while sending the request body."""
 
@@ -251,8 +247,9 @@ class SandboxProxy:
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
                 if gone.is_set():
-                    if started:
-                        raise _SandboxGone(f"sandbox {sandbox_id} stopped running; connection cut")
+                    if started:  # returning mid-response makes the server drop the connection
+                        log.info("sandbox %s stopped running: cut a response to port %d", sandbox_id, port)
+                        return
                     raise not_found(sandbox_id)
                 return  # the client disconnected
             try:
@@ -260,12 +257,11 @@ class SandboxProxy:
             except _ClientGone:
                 return
             except httpx.TransportError as exc:
+                if started:  # the head is sent: the server drops the connection
+                    log.info("sandbox %s port %d: response cut: %s", sandbox_id, port, type(exc).__name__)
+                    return
                 if self._running(sandbox_id) is False:
-                    if started:
-                        raise _SandboxGone(f"sandbox {sandbox_id} stopped running; connection cut") from exc
                     raise not_found(sandbox_id) from exc
-                if started:
-                    raise
                 raise _Reject(502, {"sandboxId": sandbox_id, "code": 502,
                                     "message": f"The request to port {port} of the sandbox failed: "
                                                f"{type(exc).__name__}"}) from exc
