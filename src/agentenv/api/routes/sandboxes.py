@@ -3,6 +3,7 @@ get, kill, timeout, refresh, network, metrics; templates. See docs/api.md."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from datetime import UTC, datetime
@@ -204,15 +205,17 @@ async def list_sandboxes_v2(request: Request, response: Response, state: str | N
 async def sandboxes_metrics(request: Request, sandbox_ids: str = Query(min_length=1)) -> dict[str, Any]:
     """The latest metric of each listed running sandbox (unknown ids are left out)."""
     orch = _orch(request)
-    out: dict[str, Any] = {}
-    for sid in [s for s in sandbox_ids.split(",") if s][:100]:
+
+    async def latest(sid: str) -> tuple[str, dict[str, Any] | None]:
         try:
             points = await orch.metrics(sid)
         except RequestError:  # unknown or not running: left out
-            continue
-        if points:
-            out[sid] = SandboxMetric.of(points[-1]).model_dump()
-    return {"sandboxes": out}
+            return sid, None
+        return sid, SandboxMetric.of(points[-1]).model_dump() if points else None
+
+    ids = list(dict.fromkeys(s for s in sandbox_ids.split(",") if s))[:100]
+    results = await asyncio.gather(*(latest(sid) for sid in ids))
+    return {"sandboxes": {sid: m for sid, m in results if m is not None}}
 
 
 @router.get("/sandboxes/{sandbox_id}", response_model=SandboxDetail, response_model_exclude_none=True)
