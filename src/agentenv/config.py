@@ -48,6 +48,13 @@ class Settings:
     repository_dir: Path | None = None  # snapshot repository (posix_fs); default data_dir/repository
     api_key: str | None = None  # overrides the generated key file
     faults: frozenset[str] = frozenset()  # injected fault points, for tests only (AENV_FAULTS)
+    # Sandbox host names are {port}-{sandboxID}.{domain} (E2B's scheme): returned to SDKs as
+    # `domain` and used by the proxy to route by Host. None: SDKs use their own E2B_DOMAIN and
+    # the proxy accepts {port}-{id}.<any domain>.
+    domain: str | None = None
+    # Serve HTTPS (E2B SDK 1.x only speaks https to https://api.{domain} and {port}-{id}.{domain}).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -75,6 +82,9 @@ class Settings:
             tcg_tb_size_mb=int(_env("AENV_TCG_TB_MB", str(d.tcg_tb_size_mb))),
             guest_aslr=_env("AENV_GUEST_ASLR", "0") in ("1", "true", "on"),
             faults=frozenset(f for f in _env("AENV_FAULTS", "").split(",") if f),
+            domain=os.environ.get("AENV_DOMAIN") or None,
+            tls_cert=Path(os.environ["AENV_TLS_CERT"]) if os.environ.get("AENV_TLS_CERT") else None,
+            tls_key=Path(os.environ["AENV_TLS_KEY"]) if os.environ.get("AENV_TLS_KEY") else None,
         )
         s.validate()
         return s
@@ -83,6 +93,8 @@ class Settings:
         if self.accel not in ("auto", "kvm", "tcg"):
             raise ValueError(f"AENV_ACCEL must be auto, kvm or tcg, not {self.accel!r}")
         net = ipaddress.ip_network(self.slot_cidr)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("set both AENV_TLS_CERT and AENV_TLS_KEY, or neither")
         if net.prefixlen > 28:
             raise ValueError(f"slot CIDR {self.slot_cidr} is too small; use a /28 or larger")
 

@@ -60,8 +60,9 @@ def serve(settings: Settings) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build_app(settings)
+    tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)} if settings.tls_cert else {}
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
-                timeout_keep_alive=650, timeout_graceful_shutdown=10)
+                timeout_keep_alive=650, timeout_graceful_shutdown=10, **tls)
 
 
 

@@ -10,7 +10,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src" / "agentenv"
 MECHANISMS = {"vmm", "network", "storage", "images", "envd_client"}
 FOUNDATION = {"errors", "config", "proc"}
-UPPER = {"orchestrator", "api", "server", "cli", "bench"}
+UPPER = {"orchestrator", "proxy", "api", "server", "cli", "bench"}
 
 
 def imports_of(path: Path, top_level_only: bool = False) -> set[str]:
@@ -45,6 +45,8 @@ def test_imports_flow_downward(path: Path) -> None:
     elif pkg in FOUNDATION:
         assert not deps - FOUNDATION, f"foundation module {pkg} imports {deps - FOUNDATION}"
     elif pkg == "orchestrator":
+        assert not deps & {"proxy", "api", "server", "cli", "bench"}, deps
+    elif pkg == "proxy":
         assert not deps & {"api", "server", "cli", "bench"}, deps
     elif pkg == "api":
         assert not deps & {"server", "cli", "bench"}, deps

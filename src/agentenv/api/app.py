@@ -12,25 +12,32 @@ from agentenv import __version__
 from agentenv.api import errors
 from agentenv.api.routes import data, lifecycle, sandboxes, system
 from agentenv.orchestrator import Orchestrator
+from agentenv.proxy import ProxyMiddleware, SandboxProxy
 
 
 def create_app(orch: Orchestrator, api_key: str) -> FastAPI:
+    proxy = SandboxProxy(orch, orch.settings.domain)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await orch.start()
         try:
             yield
         finally:
+            await proxy.aclose()
             await orch.stop()
 
     async def require_key(request: Request) -> None:
         given = request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise _Unauthorized("missing or invalid API key: send it in the X-API-Key header")
-            raise _Unauthorized("missing or invalid API key: send it in the X-API-Key header")
 
     app = FastAPI(title="AgentENV API", version=__version__, lifespan=lifespan)
     app.state.orch = orch
+    app.state.proxy = proxy
+    # Requests for a sandbox port ({port}-{id}.{domain} Host, or E2b-Sandbox-Id/-Port headers
+    # as E2B SDKs send them with E2B_SANDBOX_URL) never reach the routes below.
+    app.add_middleware(ProxyMiddleware, proxy=proxy)
     errors.install(app)
 
     @app.exception_handler(_Unauthorized)

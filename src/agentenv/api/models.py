@@ -1,35 +1,74 @@
-"""Wire models. Field names follow E2B's JSON (camelCase) so its SDKs parse them."""
+"""Wire models. Field names follow E2B's JSON (camelCase) so its SDKs parse them.
+
+Request models ignore unknown fields (newer SDKs add fields); what a field cannot mean here is
+refused with 400 by the route, never silently dropped when it would change behaviour.
+"""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentenv.orchestrator import SandboxRecord
+from agentenv.orchestrator.lifecycle import api_state
 
 ENVD_VERSION = "0.6.13"
 
 
 def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+class AutoResume(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    enabled: bool = False
+
+
+class NetworkConfig(BaseModel):
+    """SandboxNetworkConfig (create) and SandboxNetworkUpdateConfig (PUT .../network)."""
+
+    model_config = ConfigDict(extra="ignore")
+    allowPublicTraffic: bool | None = None
+    allowOut: list[str] | None = None
+    denyOut: list[str] | None = None
+    maskRequestHost: str | None = None
+    egressProxy: dict[str, Any] | None = None
+    dnsServers: list[Any] | None = None
+    rules: dict[str, Any] | None = None
+    httpsPorts: list[int] | None = None
+    allow_internet_access: bool | None = None  # update body only (snake_case on the wire)
 
 
 class NewSandbox(BaseModel):
+    """NewSandbox (v1, ``POST /sandboxes``) and NewSandboxV2 (``POST /v2/sandboxes``)."""
+
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     templateID: str = Field(min_length=1, max_length=200)
-    timeout: int | None = Field(default=None, description="seconds until the sandbox is killed")
+    timeout: int | None = Field(default=None, description="seconds until the sandbox is killed (default 300)")
     metadata: dict[str, str] | None = None
     envVars: dict[str, str] | None = None
     cpuCount: int | None = None
     memoryMB: int | None = None
     secure: bool | None = None
-    autoPause: bool | None = Field(default=None, description="at timeout, pause instead of kill")
+    autoPause: bool | None = None
+    autoPauseMemory: bool | None = None
+    autoResume: AutoResume | None = None
+    allow_internet_access: bool | None = None
+    network: NetworkConfig | None = None
+    mcp: dict[str, Any] | None = None
+    iam: dict[str, Any] | None = None
+    volumeMounts: list[dict[str, Any]] | None = None
 
 
 class TimeoutRequest(BaseModel):
     timeout: int
+
+
+class RefreshRequest(BaseModel):
+    duration: int | None = None
 
 
 class ExecRequest(BaseModel):
@@ -56,12 +95,14 @@ class Sandbox(BaseModel):
     clientID: str = ""
     envdVersion: str = ENVD_VERSION
     envdAccessToken: str | None = None
+    trafficAccessToken: str | None = None
     domain: str | None = None
     alias: str | None = None
 
     @classmethod
-    def of(cls, r: SandboxRecord) -> Sandbox:
-        return cls(templateID=r.template, sandboxID=r.id, envdAccessToken=r.access_token, alias=r.template)
+    def of(cls, r: SandboxRecord, domain: str | None = None) -> Sandbox:
+        return cls(templateID=r.template, sandboxID=r.id, envdAccessToken=r.access_token, alias=r.template,
+                   trafficAccessToken=r.options.get("trafficAccessToken"), domain=domain)
 
 
 class ListedSandbox(BaseModel):
@@ -83,23 +124,63 @@ class ListedSandbox(BaseModel):
     def of(cls, r: SandboxRecord) -> ListedSandbox:
         return cls(templateID=r.template, sandboxID=r.id, alias=r.template, startedAt=rfc3339(r.started_at),
                    endAt=rfc3339(r.end_at), cpuCount=r.vcpus, memoryMB=r.memory_mb, diskSizeMB=r.disk_mb,
-                   state=r.state.value, metadata=r.metadata, error=r.error)
+                   state=api_state(r.state), metadata=r.metadata, error=r.error)
 
 
 class SandboxDetail(ListedSandbox):
     envdAccessToken: str | None = None
+    domain: str | None = None
+    allowInternetAccess: bool | None = None
+    network: dict[str, Any] | None = None
+    lifecycle: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, r: SandboxRecord) -> SandboxDetail:
+    def of(cls, r: SandboxRecord, domain: str | None = None) -> SandboxDetail:  # type: ignore[override]
         base = ListedSandbox.of(r).model_dump()
-        return cls(**base, envdAccessToken=r.access_token)
+        net = r.options.get("network") or {}
+        wire_net: dict[str, Any] = {k: v for k, v in net.items() if v not in (None, [])}
+        auto_resume = bool((r.options.get("autoResume") or {}).get("enabled", False))
+        internet = r.options.get("allowInternetAccess")
+        if internet is None:
+            internet = "0.0.0.0/0" not in net.get("denyOut", []) or bool(net.get("allowOut"))
+        return cls(**base, envdAccessToken=r.access_token, domain=domain, allowInternetAccess=internet,
+                   network=wire_net or None,
+                   lifecycle={"autoResume": auto_resume,
+                              "onTimeout": "pause" if r.options.get("autoPause") else "kill"})
+
+
+class SandboxMetric(BaseModel):
+    timestamp: str
+    timestampUnix: int
+    cpuCount: int
+    cpuUsedPct: float
+    memUsed: int
+    memTotal: int
+    memCache: int
+    diskUsed: int
+    diskTotal: int
+
+    @classmethod
+    def of(cls, m: dict[str, Any]) -> SandboxMetric:
+        return cls(timestamp=rfc3339(m["timestampUnix"]), **m)
 
 
 class TemplateInfo(BaseModel):
+    """E2B's Template (``GET /templates``)."""
+
     templateID: str
+    buildID: str
     aliases: list[str]
+    names: list[str]
     cpuCount: int
     memoryMB: int
     diskSizeMB: int
     public: bool = True
+    createdAt: str
+    updatedAt: str
+    createdBy: None = None
+    lastSpawnedAt: str | None = None
+    spawnCount: int = 0
+    buildCount: int = 1
+    envdVersion: str = ENVD_VERSION
     buildStatus: str = "ready"

@@ -5,6 +5,13 @@ reaches guest N through the namespace side of its veth pair, which DNATs to the 
 docs/mechanisms/networking.md.
 """
 
-from agentenv.network.slots import Slot, SlotPool, host_firewall_down, host_firewall_up
+from agentenv.network.rules import egress_cidrs
+from agentenv.network.slots import (
+    Slot,
+    SlotPool,
+    host_firewall_down,
+    host_firewall_up,
+    set_egress,
+)
 
-__all__ = ["Slot", "SlotPool", "host_firewall_up", "host_firewall_down"]
+__all__ = ["Slot", "SlotPool", "egress_cidrs", "host_firewall_down", "host_firewall_up", "set_egress"]

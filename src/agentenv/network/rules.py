@@ -5,6 +5,10 @@ Kept apart from the code that applies them so they can be read (and tested) as p
 
 from __future__ import annotations
 
+import ipaddress
+
+from agentenv.errors import InvalidRequest
+
 GUEST_ADDR = "169.254.0.21"
 GUEST_GW = "169.254.0.22"
 # Fixed link-layer addresses on both ends of the guest link: a restored guest's ARP cache
@@ -23,6 +27,8 @@ def namespace_ruleset(ns_addr: str) -> str:
     denied = ", ".join(ALWAYS_DENIED)
     return f"""
 table ip aenv {{
+  chain egress {{
+  }}
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname "vpeer" ip daddr {ns_addr} dnat to {GUEST_ADDR}
@@ -36,6 +42,7 @@ table ip aenv {{
     ct state established,related accept
     iifname "vpeer" oifname "tap0" ip daddr {GUEST_ADDR} accept
     iifname "tap0" oifname "vpeer" ip daddr {{ {denied} }} drop
+    iifname "tap0" oifname "vpeer" jump egress
     iifname "tap0" oifname "vpeer" accept
   }}
   chain input {{
@@ -68,3 +75,37 @@ table inet {table} {{
   }}
 }}
 """
+
+
+def egress_cidrs(values: list[str] | None, field: str) -> list[str]:
+    """Normalise an allow/deny list of IPv4 addresses and CIDRs (``1.2.3.4``, ``10.0.0.0/8``).
+
+    Egress is enforced by address in the namespace's firewall, so host names (``example.com``,
+    ``*.example.com``) cannot be honoured and are refused rather than silently ignored."""
+    out: list[str] = []
+    for raw in values or []:
+        value = str(raw).strip()
+        try:
+            net = ipaddress.ip_network(value, strict=False)
+        except ValueError:
+            if any(c.isalpha() for c in value):
+                raise InvalidRequest(
+                    f"{field}: '{value}' is a domain name; AgentENV enforces egress by IP address, "
+                    "so give IPv4 addresses or CIDR blocks (e.g. 203.0.113.7 or 203.0.113.0/24)") from None
+            raise InvalidRequest(f"{field}: '{value}' is not an IPv4 address or CIDR block") from None
+        if net.version != 4:
+            raise InvalidRequest(f"{field}: '{value}' is IPv6; sandboxes have IPv4 networking only")
+        out.append(str(net))
+    return out
+
+
+def egress_ruleset(allow: list[str], deny: list[str]) -> str:
+    """Replace the namespace's egress chain: allow rules beat deny rules; what neither list
+    names is allowed. The always-denied ranges are dropped before this chain is reached, so an
+    allow rule cannot open them. Established connections are not cut."""
+    lines = ["flush chain ip aenv egress"]
+    if allow:
+        lines.append(f"add rule ip aenv egress ip daddr {{ {', '.join(allow)} }} accept")
+    if deny:
+        lines.append(f"add rule ip aenv egress ip daddr {{ {', '.join(deny)} }} drop")
+    return "\n".join(lines) + "\n"

@@ -12,7 +12,15 @@ import logging
 from dataclasses import dataclass
 
 from agentenv.errors import ExternalCommandError, NetworkError
-from agentenv.network.rules import GUEST_ADDR, GUEST_GW, GUEST_MAC, TAP_MAC, host_ruleset, namespace_ruleset
+from agentenv.network.rules import (
+    GUEST_ADDR,
+    GUEST_GW,
+    GUEST_MAC,
+    TAP_MAC,
+    egress_ruleset,
+    host_ruleset,
+    namespace_ruleset,
+)
 from agentenv.proc import run
 
 log = logging.getLogger(__name__)
@@ -29,6 +37,10 @@ class Slot:
     @property
     def guest_url(self) -> str:
         return f"http://{self.ns_addr}:49983"
+
+    def url(self, port: int) -> str:
+        """Where the host reaches ``port`` of the guest (the namespace DNATs every port)."""
+        return f"http://{self.ns_addr}:{port}"
 
 
 class SlotPool:
@@ -150,6 +162,14 @@ async def create_slot(slot: Slot) -> Slot:
         await destroy_slot(slot)
         raise NetworkError(f"cannot create network slot {slot.netns}: {exc.message}") from exc
     return slot
+
+
+async def set_egress(slot: Slot, allow: list[str], deny: list[str]) -> None:
+    """Replace the slot's egress rules (``egress_ruleset``) in one nft transaction."""
+    try:
+        await run(["ip", "netns", "exec", slot.netns, "nft", "-f", "-"], input=egress_ruleset(allow, deny).encode())
+    except ExternalCommandError as exc:
+        raise NetworkError(f"cannot set the egress rules of {slot.netns}: {exc.message}") from exc
 
 
 async def destroy_slot(slot: Slot) -> None:

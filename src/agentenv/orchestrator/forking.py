@@ -19,11 +19,11 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentenv.envd_client import EnvdClient, EnvdError
 from agentenv.errors import GuestError, InvalidRequest, SandboxStateError
-from agentenv.network import Slot
+from agentenv.network import Slot, set_egress
 from agentenv.orchestrator.cleanup import Cleanup
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
 from agentenv.orchestrator.lifecycle import State
@@ -50,14 +50,18 @@ class Started:
 
 async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_id: str, access_token: str,
                                 template: str, env_vars: dict[str, str], run_dir: Path,
-                                disk_top: Path | None = None) -> Started:
-    """Slot + QEMU restored to ``cp`` + the guest's identity (id, token, fresh entropy, the
-    clock). Undoes everything it made on failure; never touches the checkpoint."""
+                                disk_top: Path | None = None, options: dict[str, Any] | None = None) -> Started:
+    """Slot (with the sandbox's egress rules) + QEMU restored to ``cp`` + the guest's identity
+    (id, token, fresh entropy, the clock). Undoes everything it made on failure; never
+    touches the checkpoint."""
     undo = Cleanup(f"start {sandbox_id}")
     t0 = time.perf_counter()
     try:
         slot = await orch.slots.acquire()
         undo.add("slot", lambda: orch.slots.release(slot))
+        net = (options or {}).get("network") or {}
+        if net.get("allowOut") or net.get("denyOut"):  # before the guest runs an instruction
+            await set_egress(slot, net.get("allowOut", []), net.get("denyOut", []))
         t1 = time.perf_counter()
         machine, disk = await orch.checkpoints.restore(cp, name=sandbox_id, run_dir=run_dir, slot=slot,
                                                        disk_top=disk_top)
@@ -83,14 +87,15 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
 
 
 async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env_vars: dict[str, str],
-                       metadata: dict[str, str], timeout_s: int, auto_pause: bool) -> SandboxRecord:
+                       metadata: dict[str, str], timeout_s: int, options: dict[str, Any]) -> SandboxRecord:
     """A new sandbox (new id, token, slot) from a checkpoint; registered once it answers."""
     sandbox_id = new_sandbox_id()
     token = new_access_token()
     run_dir = orch.sandboxes_dir / sandbox_id
     try:
         started = await start_from_checkpoint(orch, cp, sandbox_id=sandbox_id, access_token=token,
-                                              template=template, env_vars=env_vars, run_dir=run_dir)
+                                              template=template, env_vars=env_vars, run_dir=run_dir,
+                                              options=options)
     except BaseException:
         await remove_tree(run_dir)
         raise
@@ -99,7 +104,8 @@ async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env
         id=sandbox_id, template=template, state=State.RUNNING, vcpus=cp.vcpus, memory_mb=cp.memory_mb,
         disk_mb=cp.disk_mb, started_at=now, end_at=now + timeout_s, access_token=token, run_dir=str(run_dir),
         metadata=dict(metadata), env_vars={**cp.env_vars, **env_vars}, slot_index=started.slot.index,
-        base_dir=cp.base, disk_path=started.disk, origin=cp, auto_pause=auto_pause, timeout_s=timeout_s,
+        base_dir=cp.base, disk_path=started.disk, origin=cp, auto_pause=bool(options.get("autoPause")),
+        timeout_s=timeout_s, options=options,
     )
     live = LiveSandbox(rec, started.machine, started.slot, started.envd)
     orch._live[rec.id] = live
@@ -108,9 +114,18 @@ async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env
     return rec
 
 
+def _child_options(options: dict[str, Any]) -> dict[str, Any]:
+    """A child keeps the source's network policy and lifecycle options; a private sandbox's
+    traffic token is its own."""
+    out = dict(options)
+    if "trafficAccessToken" in out:
+        out["trafficAccessToken"] = new_access_token()
+    return out
+
+
 async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s: int | None,
                                metadata: dict[str, str] | None, env_vars: dict[str, str] | None,
-                               auto_pause: bool) -> SandboxRecord:
+                               options: dict[str, Any]) -> SandboxRecord:
     cp = orch.repo.get(id_or_name)
     if cp.kind != "snapshot":
         raise InvalidRequest(f"'{id_or_name}' is not a snapshot or a template")
@@ -118,7 +133,7 @@ async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s
     orch.check_capacity()
     return await _new_sandbox(orch, cp, template=cp.name or cp.id, env_vars=dict(env_vars or {}),
                               metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
-                              auto_pause=auto_pause)
+                              options=options)
 
 
 async def _checkpoint(orch: Orchestrator, live: LiveSandbox, state: State, kind: str,
@@ -172,7 +187,7 @@ async def fork(orch: Orchestrator, sandbox_id: str, count: int,
     t1 = time.perf_counter()
     results = await asyncio.gather(
         *(_new_sandbox(orch, cp, template=src.template, env_vars={}, metadata=src.metadata, timeout_s=timeout,
-                       auto_pause=src.auto_pause) for _ in range(count)),
+                       options=_child_options(src.options)) for _ in range(count)),
         return_exceptions=True)
     # The children's records pin the layers; the fork manifest itself is not kept.
     orch.repo.delete(cp.id)

@@ -56,5 +56,11 @@ def allowed(src: State, dst: State) -> bool:
 
 
 def api_state(state: State) -> str:
-    """What E2B clients see: they know only ``running`` and ``paused``."""
-    return "paused" if state in (State.PAUSING, State.PAUSED) else "running"
+    """What E2B clients see: they know only ``running`` and ``paused``. A sandbox in a brief
+    transition reads as the state it is in for the user (a sandbox being snapshotted keeps
+    running); ``creating``, ``killing`` and ``error`` are shown as they are."""
+    if state in (State.PAUSING, State.PAUSED):
+        return "paused"
+    if state in (State.RUNNING, State.RESUMING, State.SNAPSHOTTING, State.FORKING):
+        return "running"
+    return state.value

@@ -90,7 +90,8 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None) -> 
         try:
             started = await start_from_checkpoint(
                 orch, cp, sandbox_id=rec.id, access_token=rec.access_token, template=rec.template,
-                env_vars={}, run_dir=Path(rec.run_dir), disk_top=Path(cp.disk_top) if cp.disk_top else None)
+                env_vars={}, run_dir=Path(rec.run_dir), disk_top=Path(cp.disk_top) if cp.disk_top else None,
+                options=rec.options)
         except BaseException:
             await orch._transition(live, State.PAUSED)
             raise

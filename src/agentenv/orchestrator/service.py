@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from agentenv.config import Settings
 from agentenv.envd_client import CommandResult, EnvdClient, ProcessEvent
@@ -22,7 +23,7 @@ from agentenv.errors import (
     SandboxStateError,
     SnapshotNotFound,
 )
-from agentenv.network import SlotPool, host_firewall_up
+from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.lifecycle import ACTIVE, State, allowed
 from agentenv.orchestrator.pool import WarmPool
@@ -64,6 +65,7 @@ class Orchestrator:
             faults=settings.faults)
         self._live: dict[str, LiveSandbox] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
 
     # -- start / stop ---------------------------------------------------------------------
 
@@ -140,8 +142,12 @@ class Orchestrator:
         return v, m
 
     def validate_timeout(self, timeout_s: int) -> int:
-        if timeout_s < 0 or timeout_s > self.settings.max_timeout_s:
-            raise InvalidRequest(f"timeout must be between 0 and {self.settings.max_timeout_s} seconds, got {timeout_s}")
+        if timeout_s < 0:
+            raise InvalidRequest(f"timeout must be 0 or more seconds, got {timeout_s}")
+        if timeout_s > self.settings.max_timeout_s:
+            limit = self.settings.max_timeout_s
+            raise InvalidRequest(f"Timeout cannot be greater than {limit // 3600} hours" if limit % 3600 == 0
+                                 else f"Timeout cannot be greater than {limit} seconds")
         return timeout_s
 
     def check_capacity(self, more: int = 1) -> None:
@@ -153,14 +159,18 @@ class Orchestrator:
 
     async def create(self, template: str, *, vcpus: int | None = None, memory_mb: int | None = None,
                      timeout_s: int | None = None, metadata: dict[str, str] | None = None,
-                     env_vars: dict[str, str] | None = None, auto_pause: bool = False) -> SandboxRecord:
-        """Restore a new sandbox from the template's snapshot (or from a named snapshot);
-        returns once its agent answers."""
+                     env_vars: dict[str, str] | None = None, options: dict[str, Any] | None = None) -> SandboxRecord:
+        """Restore a new sandbox from the template's snapshot (or from a named snapshot, whose
+        id or name may stand for ``template``); returns once its agent answers.
+        ``options``: see ``SandboxRecord.options``; its "network" is checked by ``egress_policy``."""
+        options = dict(options or {})
+        if "network" in options:
+            options["network"] = self.egress_policy(options["network"])
         if not self.catalog.exists(template) and self.repo.exists(template):
             from agentenv.orchestrator.forking import create_from_snapshot
 
             return await create_from_snapshot(self, template, timeout_s=timeout_s, metadata=metadata,
-                                              env_vars=env_vars, auto_pause=auto_pause)
+                                              env_vars=env_vars, options=options)
         t = self.catalog.get(template)
         v, m = self.validate_shape(t, vcpus, memory_mb)
         timeout = self.validate_timeout(self.settings.default_timeout_s if timeout_s is None else timeout_s)
@@ -172,14 +182,16 @@ class Orchestrator:
             id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
             disk_mb=t.disk_mb, started_at=now, end_at=now + timeout, access_token=shell.access_token,
             run_dir=str(shell.run_dir), metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
-            slot_index=shell.slot.index, base_dir=str(snap.dir), disk_path=str(shell.run_dir / "disk.qcow2"),
-            auto_pause=auto_pause, timeout_s=timeout,
+            slot_index=shell.slot.index, options=options, base_dir=str(snap.dir),
+            disk_path=str(shell.run_dir / "disk.qcow2"), auto_pause=bool(options.get("autoPause")),
+            timeout_s=timeout,
         )
         live = LiveSandbox(rec, shell.machine, shell.slot, shell.envd)
         self._live[rec.id] = live
         try:
             # Not persisted while creating: if the server dies now, the run dir has no record
             # and recovery kills its QEMU and removes it; the caller got no answer and retries.
+            await self._apply_egress(live)  # before the guest runs a single instruction
             await self._restore(live, shell)
         except BaseException as exc:
             reason = exc.message if isinstance(exc, PlatformError) else f"create failed: {exc!r}"
@@ -219,6 +231,7 @@ class Orchestrator:
             await live.settled()
             await self._release(live)
             self._live.pop(sandbox_id, None)
+            self._metrics.pop(sandbox_id, None)
             await self.store.delete(sandbox_id)
             await remove_tree(Path(live.record.run_dir))
             if live.record.paused is not None:
@@ -399,3 +412,95 @@ class Orchestrator:
     def schedule_gc(self) -> None:
         task = asyncio.get_running_loop().create_task(self.gc())
         task.add_done_callback(lambda t: t.cancelled() or t.exception() and log.error("gc failed: %r", t.exception()))
+
+    # -- E2B surface: egress policy, refresh, proxy routes, metrics -----------------------
+
+    @staticmethod
+    def egress_policy(network: dict[str, Any]) -> dict[str, Any]:
+        """Check and normalise a sandbox's network options: ``allowOut``/``denyOut`` (IPv4
+        addresses and CIDRs; allow beats deny), ``allowPublicTraffic``, ``maskRequestHost``."""
+        out: dict[str, Any] = {
+            "allowOut": egress_cidrs(network.get("allowOut"), "network.allowOut"),
+            "denyOut": egress_cidrs(network.get("denyOut"), "network.denyOut"),
+        }
+        if network.get("allowPublicTraffic") is not None:
+            out["allowPublicTraffic"] = bool(network["allowPublicTraffic"])
+        if network.get("maskRequestHost"):
+            out["maskRequestHost"] = str(network["maskRequestHost"])
+        return out
+
+    async def _apply_egress(self, live: LiveSandbox) -> None:
+        net = live.record.options.get("network") or {}
+        if (net.get("allowOut") or net.get("denyOut")) and live.slot is not None:
+            await set_egress(live.slot, net.get("allowOut", []), net.get("denyOut", []))
+
+    async def update_network(self, sandbox_id: str, allow_out: list[str] | None,
+                             deny_out: list[str] | None) -> SandboxRecord:
+        """Replace the egress rules of a running sandbox (omitted lists are cleared)."""
+        live = self._require(sandbox_id, {State.RUNNING})
+        net = dict(live.record.options.get("network") or {})
+        net.update(self.egress_policy({"allowOut": allow_out, "denyOut": deny_out}))
+        async with live.lock:
+            live = self._require(sandbox_id, {State.RUNNING})
+            assert live.slot is not None
+            await set_egress(live.slot, net["allowOut"], net["denyOut"])
+            live.record = live.record.with_(options={**live.record.options, "network": net})
+            await self.store.put(live.record)
+        return live.record
+
+    async def refresh(self, sandbox_id: str, duration_s: int) -> SandboxRecord:
+        """Keep a running sandbox alive for at least ``duration_s`` more seconds (never shortens)."""
+        live = self._require(sandbox_id, {State.RUNNING})
+        self.validate_timeout(duration_s)
+        end = max(live.record.end_at, time.time() + duration_s)
+        live.record = live.record.with_(end_at=end)
+        await self.store.put(live.record)
+        return live.record
+
+    def template_created_at(self, name: str) -> float:
+        """When the template's definition was last written (unix seconds)."""
+        return (self.catalog.root / name / "template.json").stat().st_mtime
+
+    def guest_address(self, sandbox_id: str) -> str:
+        """The address at which the host reaches every port of a running sandbox's guest."""
+        live = self._require(sandbox_id, {State.RUNNING})
+        assert live.slot is not None
+        return live.slot.ns_addr
+
+    async def metrics(self, sandbox_id: str, start: float | None = None,
+                      end: float | None = None) -> list[dict[str, Any]]:
+        """Resource samples of a running sandbox inside [start, end] (unix seconds).
+
+        Samples are read from the guest's /proc and statfs through the agent when asked for
+        (at most one every 5 s), not by a background poller: an idle sandbox costs nothing.
+        Each is a dict with E2B's SandboxMetric fields (timestamp as unix seconds)."""
+        live = self._require(sandbox_id, {State.RUNNING})
+        samples = self._metrics.setdefault(sandbox_id, [])
+        now = time.time()
+        if (not samples or now - samples[-1]["timestampUnix"] >= 5) and (end is None or end >= now - 1):
+            samples.append(await self._sample(live))
+            del samples[:-720]
+        lo = live.record.started_at - 1 if start is None else start
+        hi = time.time() + 1 if end is None else end  # after sampling: a sample can take seconds
+        return [m for m in samples if lo <= m["timestampUnix"] <= hi]
+
+    async def _sample(self, live: LiveSandbox) -> dict[str, Any]:
+        assert live.envd is not None
+        script = ("head -1 /proc/stat; sleep 0.5; head -1 /proc/stat; "
+                  "grep -E '^(MemTotal|MemAvailable|Cached):' /proc/meminfo; stat -f -c '%S %b %f' /")
+        res = await live.envd.run(["sh", "-c", script], user="root", timeout=10)
+        lines = res.stdout.decode().splitlines()
+        if res.exit_code != 0 or len(lines) < 6:
+            raise PlatformError(f"sandbox {live.id}: could not read guest metrics: {res.stderr.decode()[-300:]}")
+        a = [int(x) for x in lines[0].split()[1:]]
+        b = [int(x) for x in lines[1].split()[1:]]
+        total = sum(b) - sum(a)
+        idle = (b[3] + b[4]) - (a[3] + a[4])  # idle + iowait
+        mem = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines[2:5]}
+        bsize, blocks, free = (int(x) for x in lines[5].split())
+        return {
+            "timestampUnix": int(time.time()), "cpuCount": live.record.vcpus,
+            "cpuUsedPct": round(100.0 * (total - idle) / total, 2) if total > 0 else 0.0,
+            "memUsed": mem["MemTotal"] - mem["MemAvailable"], "memTotal": mem["MemTotal"],
+            "memCache": mem["Cached"], "diskUsed": (blocks - free) * bsize, "diskTotal": blocks * bsize,
+        }

@@ -13,6 +13,7 @@ import sqlite3
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from agentenv.orchestrator.lifecycle import State
 from agentenv.storage.repository import Checkpoint
@@ -32,12 +33,14 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     slot_index INTEGER,
     access_token TEXT NOT NULL,
     error TEXT,
-    run_dir TEXT NOT NULL
+    run_dir TEXT NOT NULL,
+    options TEXT NOT NULL DEFAULT '{}'
 );
 """
 
 # Columns added after the first release; added to older databases on open.
 _ADDED = {
+    "options": "TEXT NOT NULL DEFAULT '{}'",
     "base_dir": "TEXT NOT NULL DEFAULT ''",
     "disk_path": "TEXT NOT NULL DEFAULT ''",
     "origin": "TEXT",
@@ -77,6 +80,10 @@ class SandboxRecord:
             if cp is not None:
                 out |= cp.layer_names()
         return out
+    # E2B create options kept for the sandbox's life (JSON): "network" (allowOut, denyOut,
+    # allowPublicTraffic, maskRequestHost), "trafficAccessToken", "autoPause",
+    # "autoPauseMemory", "autoResume", "secure", "mcp".
+    options: dict[str, Any] = field(default_factory=dict)
 
     def with_(self, **changes: object) -> SandboxRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -97,6 +104,7 @@ def _cp(text: str | None) -> Checkpoint | None:
 def _to_row(r: SandboxRecord) -> tuple[object, ...]:
     return (r.id, r.template, r.state.value, r.vcpus, r.memory_mb, r.disk_mb, r.started_at, r.end_at,
             json.dumps(r.metadata), json.dumps(r.env_vars), r.slot_index, r.access_token, r.error, r.run_dir,
+            json.dumps(r.options),
             r.base_dir, r.disk_path, _cp_json(r.origin), _cp_json(r.paused), int(r.auto_pause), r.timeout_s)
 
 
@@ -109,6 +117,7 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
         run_dir=row["run_dir"], base_dir=row["base_dir"], disk_path=row["disk_path"],
         origin=_cp(row["origin"]), paused=_cp(row["paused"]), auto_pause=bool(row["auto_pause"]),
         timeout_s=row["timeout_s"],
+        options=json.loads(row["options"] or "{}"),
     )
 
 

@@ -78,7 +78,8 @@ async def pause(sandbox_id: str, request: Request) -> Response:
              response_model_exclude_none=True)
 async def resume(sandbox_id: str, request: Request) -> Sandbox:
     body = await _body(request, ResumeRequest)
-    return Sandbox.of(await _orch(request).resume(sandbox_id, body.timeout))  # type: ignore[attr-defined]
+    return Sandbox.of(await _orch(request).resume(sandbox_id, body.timeout),  # type: ignore[attr-defined]
+                      _orch(request).settings.domain)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect", response_model=Sandbox, response_model_exclude_none=True)
@@ -88,7 +89,7 @@ async def connect(sandbox_id: str, request: Request, response: Response) -> Sand
     body = await _body(request, ResumeRequest)
     rec, resumed = await _orch(request).connect(sandbox_id, body.timeout)  # type: ignore[attr-defined]
     response.status_code = 201 if resumed else 200
-    return Sandbox.of(rec)
+    return Sandbox.of(rec, _orch(request).settings.domain)
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=SnapshotInfo,
@@ -122,5 +123,5 @@ async def fork(sandbox_id: str, request: Request) -> JSONResponse:
             message = r.message if isinstance(r, AgentenvError) else repr(r)
             items.append({"error": {"code": status, "message": message}})
         else:
-            items.append({"sandbox": Sandbox.of(r).model_dump(exclude_none=True)})
+            items.append({"sandbox": Sandbox.of(r, _orch(request).settings.domain).model_dump(exclude_none=True)})
     return JSONResponse(items, status_code=201)

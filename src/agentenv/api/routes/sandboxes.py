@@ -1,44 +1,128 @@
-"""Sandbox lifecycle routes (E2B-shaped): create, list, get, kill, timeout; templates."""
+"""Sandbox lifecycle routes, as E2B's control plane: create (v1 and v2), list (v1 and v2),
+get, kill, timeout, refresh, network, metrics; templates. See docs/api.md."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Request, Response
+import asyncio
+import base64
+import binascii
+from datetime import UTC, datetime
+from typing import Annotated, Any
+from urllib.parse import unquote
 
-from agentenv.api.models import ListedSandbox, NewSandbox, Sandbox, SandboxDetail, TemplateInfo, TimeoutRequest
-from agentenv.errors import InvalidRequest
-from agentenv.orchestrator import Orchestrator, State
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from agentenv.api.models import (
+    ListedSandbox,
+    NetworkConfig,
+    NewSandbox,
+    RefreshRequest,
+    Sandbox,
+    SandboxDetail,
+    SandboxMetric,
+    TemplateInfo,
+    TimeoutRequest,
+    rfc3339,
+)
+from agentenv.errors import InvalidRequest, RequestError
+from agentenv.orchestrator import Orchestrator, SandboxRecord, State
+from agentenv.orchestrator.lifecycle import api_state
+from agentenv.orchestrator.ids import new_access_token
 
 router = APIRouter()
+
+ALL_TRAFFIC = "0.0.0.0/0"
 
 
 def _orch(request: Request) -> Orchestrator:
     return request.app.state.orch  # type: ignore[no-any-return]
 
 
-@router.post("/sandboxes", status_code=201, response_model=Sandbox, response_model_exclude_none=True)
-async def create_sandbox(body: NewSandbox, request: Request) -> Sandbox:
+def _domain(request: Request) -> str | None:
+    return _orch(request).settings.domain
+
+
+# -- create ---------------------------------------------------------------------------------
+
+def _unsupported_network(net: NetworkConfig, prefix: str = "network") -> None:
+    for name in ("egressProxy", "dnsServers", "rules"):
+        if getattr(net, name):
+            raise InvalidRequest(f"{prefix}.{name} is not supported by AgentENV (egress is filtered by "
+                                 "address with allowOut/denyOut); leave it out")
+
+
+def _create_options(body: NewSandbox) -> dict[str, Any]:
+    """The E2B create fields that outlive the create call, checked."""
+    if body.autoPauseMemory is not None and not body.autoPause:
+        raise InvalidRequest("autoPauseMemory requires autoPause: true")
+    if body.autoPauseMemory is False and body.autoResume and body.autoResume.enabled:
+        raise InvalidRequest("autoPauseMemory: false (filesystem-only pause) cannot be combined with "
+                             "autoResume.enabled: true")
+    if body.volumeMounts:
+        raise InvalidRequest("volumeMounts: volumes are not supported by AgentENV")
+    if body.iam and body.iam.get("tokens"):
+        raise InvalidRequest("iam: workload identity tokens are not supported by AgentENV")
+    opts: dict[str, Any] = {}
+    net = body.network or NetworkConfig()
+    _unsupported_network(net)
+    allow, deny = list(net.allowOut or []), list(net.denyOut or [])
+    if body.allow_internet_access is False and ALL_TRAFFIC not in deny:
+        deny.append(ALL_TRAFFIC)
+    network: dict[str, Any] = {"allowOut": allow, "denyOut": deny}
+    if net.allowPublicTraffic is not None:
+        network["allowPublicTraffic"] = net.allowPublicTraffic
+    if net.maskRequestHost:
+        network["maskRequestHost"] = net.maskRequestHost
+    opts["network"] = network
+    if net.allowPublicTraffic is False:
+        opts["trafficAccessToken"] = new_access_token()
+    if body.allow_internet_access is not None:
+        opts["allowInternetAccess"] = body.allow_internet_access
+    for name in ("autoPause", "autoPauseMemory", "secure", "mcp"):
+        if getattr(body, name) is not None:
+            opts[name] = getattr(body, name)
+    if body.autoResume is not None:
+        opts["autoResume"] = {"enabled": body.autoResume.enabled}
+    return opts
+
+
+async def _create(body: NewSandbox, request: Request) -> Sandbox:
     rec = await _orch(request).create(
         body.templateID, vcpus=body.cpuCount, memory_mb=body.memoryMB, timeout_s=body.timeout,
-        metadata=body.metadata, env_vars=body.envVars, auto_pause=bool(body.autoPause),
+        metadata=body.metadata, env_vars=body.envVars, options=_create_options(body),
     )
-    return Sandbox.of(rec)
+    return Sandbox.of(rec, _domain(request))
 
 
-def _parse_states(state: str | None) -> set[State] | None:
+@router.post("/sandboxes", status_code=201, response_model=Sandbox, response_model_exclude_none=True)
+async def create_sandbox(body: NewSandbox, request: Request) -> Sandbox:
+    """v1 create (SDK ≤ 2.45). The envd access token is always returned: every sandbox's
+    agent checks it, whether or not the caller asked for ``secure``."""
+    return await _create(body, request)
+
+
+@router.post("/v2/sandboxes", status_code=201, response_model=Sandbox, response_model_exclude_none=True)
+async def create_sandbox_v2(body: NewSandbox, request: Request) -> Sandbox:
+    return await _create(body, request)
+
+
+# -- list -----------------------------------------------------------------------------------
+
+def _parse_states(state: str | None, default: set[str] | None) -> set[str] | None:
     if not state:
-        return None
-    try:
-        return {State(s.strip()) for s in state.split(",") if s.strip()}
-    except ValueError as exc:
-        raise InvalidRequest(f"state must be a comma-separated list of {', '.join(s.value for s in State)}") from exc
+        return default
+    known = {s.value for s in State} | {"paused"}
+    wanted = {s.strip() for s in state.split(",") if s.strip()}
+    if not wanted <= known:
+        raise InvalidRequest(f"state must be a comma-separated list of {', '.join(sorted(known))}")
+    return wanted
 
 
-def _parse_metadata(values: list[str]) -> dict[str, str]:
-    """``metadata=k=v`` (repeatable) or E2B's ``metadata=k%3Dv%26k2%3Dv2`` form."""
-    from urllib.parse import unquote
-
+def _parse_metadata(values: list[str] | None) -> dict[str, str]:
+    """E2B's ``metadata=k%3Dv%26k2%3Dv2`` (keys and values quoted once more), or ``k=v``."""
     out: dict[str, str] = {}
-    for raw in values:
+    for raw in values or []:
         for part in unquote(raw).split("&"):
             if not part:
                 continue
@@ -49,16 +133,96 @@ def _parse_metadata(values: list[str]) -> dict[str, str]:
     return out
 
 
+def _select(orch: Orchestrator, states: set[str] | None, metadata: dict[str, str]) -> list[SandboxRecord]:
+    return [r for r in orch.list(None, metadata)
+            if states is None or r.state.value in states or api_state(r.state) in states]
+
+
 @router.get("/sandboxes", response_model=list[ListedSandbox])
 async def list_sandboxes(request: Request, state: str | None = None,
-                         metadata: list[str] = Query(default=[])) -> list[ListedSandbox]:
-    recs = _orch(request).list(_parse_states(state), _parse_metadata(metadata))
+                         metadata: Annotated[list[str] | None, Query()] = None) -> list[ListedSandbox]:
+    """v1 list: no pagination, newest first. Without ``state``, every sandbox of the node
+    (including ``error`` ones, so that they can be found and killed)."""
+    recs = _select(_orch(request), _parse_states(state, None), _parse_metadata(metadata))
     return [ListedSandbox.of(r) for r in recs]
 
 
-@router.get("/sandboxes/{sandbox_id}", response_model=SandboxDetail)
+def _cursor(r: SandboxRecord) -> tuple[float, str]:
+    return (r.started_at, r.id)
+
+
+def _encode_token(r: SandboxRecord, order: str) -> str:
+    raw = f"{r.started_at!r}__{r.id}" + ("__asc" if order == "asc" else "")
+    return base64.urlsafe_b64encode(raw.encode()).decode()
+
+
+def _decode_token(token: str) -> tuple[float, str]:
+    try:
+        parts = base64.urlsafe_b64decode(token.encode() + b"=" * (-len(token) % 4)).decode().split("__")
+        return float(parts[0]), parts[1]
+    except (binascii.Error, UnicodeDecodeError, ValueError, IndexError) as exc:
+        raise InvalidRequest("nextToken is not a token this server issued") from exc
+
+
+@router.get("/v2/sandboxes", response_model=list[ListedSandbox])
+async def list_sandboxes_v2(request: Request, response: Response, state: str | None = None,
+                            metadata: Annotated[list[str] | None, Query()] = None, order: str = "desc",
+                            startedAfter: str | None = None, template: str | None = None,
+                            limit: int = 100, nextToken: str | None = None) -> list[ListedSandbox]:
+    """Running and paused sandboxes by default, newest first, ``limit`` per page; the cursor
+    of the next page is in the ``X-Next-Token`` header (absent on the last page)."""
+    if not 1 <= limit <= 100:
+        raise InvalidRequest(f"limit must be between 1 and 100, got {limit}")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be asc or desc")
+    if template and ":" in template:
+        raise InvalidRequest("template filter takes a template ID or alias without a tag")
+    orch = _orch(request)
+    recs = _select(orch, _parse_states(state, {"running", "paused"}), _parse_metadata(metadata))
+    if startedAfter:
+        try:
+            after = datetime.fromisoformat(startedAfter)
+        except ValueError as exc:
+            raise InvalidRequest(f"startedAfter must be an RFC 3339 time, got '{startedAfter}'") from exc
+        if after.tzinfo is None:
+            after = after.replace(tzinfo=UTC)
+        # Compared as datetimes (microseconds), as the times were given out in startedAt.
+        recs = [r for r in recs if datetime.fromtimestamp(r.started_at, UTC) >= after]
+    if template:
+        recs = [r for r in recs if r.template == template]
+    recs.sort(key=_cursor, reverse=order == "desc")
+    if nextToken:
+        cur = _decode_token(nextToken)
+        recs = [r for r in recs if (_cursor(r) < cur if order == "desc" else _cursor(r) > cur)]
+    page = recs[:limit]
+    if len(recs) > limit:
+        response.headers["X-Next-Token"] = _encode_token(page[-1], order)
+    response.headers["X-Total-Running"] = str(sum(1 for r in orch.list() if r.state == State.RUNNING))
+    return [ListedSandbox.of(r) for r in page]
+
+
+# -- one sandbox ----------------------------------------------------------------------------
+
+@router.get("/sandboxes/metrics")
+async def sandboxes_metrics(request: Request, sandbox_ids: str = Query(min_length=1)) -> dict[str, Any]:
+    """The latest metric of each listed running sandbox (unknown ids are left out)."""
+    orch = _orch(request)
+
+    async def latest(sid: str) -> tuple[str, dict[str, Any] | None]:
+        try:
+            points = await orch.metrics(sid)
+        except RequestError:  # unknown or not running: left out
+            return sid, None
+        return sid, SandboxMetric.of(points[-1]).model_dump() if points else None
+
+    ids = list(dict.fromkeys(s for s in sandbox_ids.split(",") if s))[:100]
+    results = await asyncio.gather(*(latest(sid) for sid in ids))
+    return {"sandboxes": {sid: m for sid, m in results if m is not None}}
+
+
+@router.get("/sandboxes/{sandbox_id}", response_model=SandboxDetail, response_model_exclude_none=True)
 async def get_sandbox(sandbox_id: str, request: Request) -> SandboxDetail:
-    return SandboxDetail.of(_orch(request).get(sandbox_id))
+    return SandboxDetail.of(_orch(request).get(sandbox_id), _domain(request))
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204, response_class=Response)
@@ -73,7 +237,56 @@ async def set_timeout(sandbox_id: str, body: TimeoutRequest, request: Request) -
     return Response(status_code=204)
 
 
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204, response_class=Response)
+async def refresh(sandbox_id: str, request: Request, body: RefreshRequest | None = None) -> Response:
+    """Keep the sandbox alive ``duration`` more seconds (default: the node's default timeout);
+    never shortens its timeout."""
+    orch = _orch(request)
+    duration = body.duration if body and body.duration is not None else orch.settings.default_timeout_s
+    await orch.refresh(sandbox_id, duration)
+    return Response(status_code=204)
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204, response_class=Response)
+async def update_network(sandbox_id: str, body: NetworkConfig, request: Request) -> Response:
+    """Full replacement of the egress rules: omitted lists are cleared."""
+    _unsupported_network(body)
+    deny = list(body.denyOut or [])
+    if body.allow_internet_access is False and ALL_TRAFFIC not in deny:
+        deny.append(ALL_TRAFFIC)
+    await _orch(request).update_network(sandbox_id, list(body.allowOut or []), deny)
+    return Response(status_code=204)
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics", response_model=list[SandboxMetric])
+async def sandbox_metrics(sandbox_id: str, request: Request, start: int | None = None,
+                          end: int | None = None) -> list[SandboxMetric]:
+    points = await _orch(request).metrics(sandbox_id, start, end)
+    return [SandboxMetric.of(m) for m in points]
+
+
+# -- templates ------------------------------------------------------------------------------
+
+def _template_info(orch: Orchestrator, name: str) -> TemplateInfo:
+    t = orch.catalog.get(name)
+    at = rfc3339(orch.template_created_at(t.name))
+    return TemplateInfo(templateID=t.name, buildID=t.name, aliases=[t.name], names=[t.name], cpuCount=t.vcpus,
+                        memoryMB=t.memory_mb, diskSizeMB=t.disk_mb, createdAt=at, updatedAt=at)
+
+
 @router.get("/templates", response_model=list[TemplateInfo])
 async def list_templates(request: Request) -> list[TemplateInfo]:
-    return [TemplateInfo(templateID=t.name, aliases=[t.name], cpuCount=t.vcpus, memoryMB=t.memory_mb,
-                         diskSizeMB=t.disk_mb) for t in _orch(request).templates()]
+    orch = _orch(request)
+    return [_template_info(orch, t.name) for t in orch.templates()]
+
+
+@router.get("/templates/aliases/{alias}")
+async def template_alias(alias: str, request: Request) -> JSONResponse:
+    """``Template.exists(name)``: 200 if a template has this name or alias, else 404."""
+    t = _orch(request).catalog.get(alias)  # TemplateNotFound → 404
+    return JSONResponse({"templateID": t.name, "public": True})
+
+
+@router.get("/templates/{template_id}", response_model=TemplateInfo)
+async def get_template(template_id: str, request: Request) -> TemplateInfo:
+    return _template_info(_orch(request), template_id)

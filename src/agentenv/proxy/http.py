@@ -1,0 +1,300 @@
+"""ASGI middleware that forwards sandbox-addressed HTTP requests to the guest.
+
+Bodies stream in both directions with bounded buffering (one chunk in flight each way); a
+request in flight is cut when its sandbox stops running, so that E2B SDKs see the connection
+drop and then the proxy's 502 "not found" (their ``SandboxNotRunningException``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+import httpx
+
+from agentenv.errors import NotFound, SandboxStateError
+from agentenv.orchestrator import Orchestrator, State
+from agentenv.proxy import websocket
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+ENVD_PORT = 49983
+# envd's control routes, never reachable from outside (E2B's edge answers 404).
+INTERNAL_ENVD_PATHS = frozenset({"/init", "/upgrade", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host"})
+_HOST_LABEL = re.compile(r"^(\d{1,5})-([a-z0-9]+)$")
+_SANDBOX_ID = re.compile(r"^[a-z0-9]+$")
+
+
+class _Reject(Exception):
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(body.get("message", ""))
+        self.status = status
+        self.body = body
+
+
+class _ClientGone(Exception):
+    """The client disconnected while sending the request body."""
+
+
+def not_found(sandbox_id: str) -> _Reject:
+    return _Reject(502, {"sandboxId": sandbox_id, "message": "The sandbox was not found", "code": 502})
+
+
+def port_closed(sandbox_id: str, port: int) -> _Reject:
+    return _Reject(502, {"sandboxId": sandbox_id, "message": "The sandbox is running but port is not open",
+                         "port": port, "code": 502})
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class ProxyMiddleware:
+    """ASGI middleware: sandbox-addressed requests go to the proxy, the rest to ``app``."""
+
+    def __init__(self, app: ASGIApp, proxy: SandboxProxy) -> None:
+        self.app = app
+        self.proxy = proxy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        try:
+            target = self.proxy.target(scope)
+            if target is None:
+                return await self.app(scope, receive, send)
+            if scope["type"] == "websocket":
+                await self.proxy.websocket(scope, receive, send, *target)
+            else:
+                await self.proxy.http(scope, receive, send, *target)
+        except _Reject as r:
+            if scope["type"] == "websocket":
+                await websocket.reject(scope, send, r.status, r.body)
+            else:
+                await _send_json(send, r.status, r.body)
+        return None
+
+
+class SandboxProxy:
+    """Forwards to sandbox ports. ``domain``: when set, Host routing only accepts ``*.{domain}``."""
+
+    def __init__(self, orch: Orchestrator, domain: str | None = None, *,
+                 dial_attempts: int = 5, dial_delay_s: float = 0.2, watch_interval_s: float = 0.25) -> None:
+        self.orch = orch
+        self.domain = domain
+        self.dial_attempts = dial_attempts
+        self.dial_delay_s = dial_delay_s
+        self.watch_interval_s = watch_interval_s
+        # One connection pool per sandbox: a new sandbox may get a killed one's address, and a
+        # kept-alive connection to a VM that is gone is never closed by its peer.
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._gone: dict[str, tuple[asyncio.Event, int]] = {}
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- routing ------------------------------------------------------------------------------
+
+    def target(self, scope: Scope) -> tuple[str, int] | None:
+        """(sandbox id, port) this request is for, or None for the API. Raises _Reject (400)."""
+        headers = {k.lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        hostname = headers.get(b"host", "")
+        hostname = hostname.rsplit(":", 1)[0] if not hostname.endswith("]") else hostname
+        label, _, rest = hostname.partition(".")
+        m = _HOST_LABEL.match(label)
+        if m and rest and (self.domain is None or rest == self.domain):
+            return m.group(2), self._port(m.group(1))
+        sid, port = headers.get(b"e2b-sandbox-id"), headers.get(b"e2b-sandbox-port")
+        if sid is None and port is None:
+            return None
+        if not sid or not port:
+            raise _Reject(400, {"code": 400, "message": "both E2b-Sandbox-Id and E2b-Sandbox-Port headers are required"})
+        if not _SANDBOX_ID.match(sid):
+            raise _Reject(400, {"code": 400, "message": f"invalid sandbox id '{sid}'"})
+        return sid, self._port(port)
+
+    @staticmethod
+    def _port(value: str) -> int:
+        if not value.isdigit() or not 1 <= int(value) <= 65535:
+            raise _Reject(400, {"code": 400, "message": f"invalid sandbox port '{value}'"})
+        return int(value)
+
+    async def aclose(self) -> None:
+        if self._watcher:
+            self._watcher.cancel()
+        for c in self._clients.values():
+            await c.aclose()
+        self._clients.clear()
+
+    async def _http_client(self, sandbox_id: str) -> httpx.AsyncClient:
+        for sid in [s for s in self._clients if s != sandbox_id and not self._running(s)]:
+            await self._clients.pop(sid).aclose()
+        client = self._clients.get(sandbox_id)
+        if client is None:
+            client = self._clients[sandbox_id] = httpx.AsyncClient(
+                timeout=httpx.Timeout(connect=3.0, read=None, write=None, pool=30.0),
+                limits=httpx.Limits(max_connections=256, max_keepalive_connections=16, keepalive_expiry=30.0),
+                follow_redirects=False, trust_env=False)
+        return client
+
+    def _lookup(self, sandbox_id: str, port: int, headers: dict[bytes, bytes]) -> tuple[str, dict[str, Any]]:
+        try:
+            rec = self.orch.get(sandbox_id)
+            addr = self.orch.guest_address(sandbox_id)
+        except (NotFound, SandboxStateError):
+            raise not_found(sandbox_id) from None
+        net = rec.options.get("network") or {}
+        token = rec.options.get("trafficAccessToken")
+        if port != ENVD_PORT and token and headers.get(b"e2b-traffic-access-token", b"").decode("latin-1") != token:
+            raise _Reject(403, {"code": 403, "message": f"sandbox {sandbox_id} is private: send its traffic access "
+                                "token in the e2b-traffic-access-token header"})
+        return addr, net
+
+    async def websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        addr, _ = self._lookup(sandbox_id, port, headers)
+        await websocket.forward(self, scope, receive, send, addr, sandbox_id, port)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
+        raw_headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+        headers = {k.lower(): v for k, v in raw_headers}
+        path = scope.get("path", "/")
+        if port == ENVD_PORT and path in INTERNAL_ENVD_PATHS:
+            raise _Reject(404, {"code": 404, "message": "Not Found"})
+        addr, net = self._lookup(sandbox_id, port, headers)
+
+        fwd = [(k, v) for k, v in raw_headers if k.lower() not in HOP_BY_HOP]
+        if port != ENVD_PORT:
+            mask = net.get("maskRequestHost")
+            host = mask.replace("${PORT}", str(port)).encode() if mask else headers.get(b"host")
+            if host:
+                fwd.append((b"host", host))
+        raw_path = scope.get("raw_path") or path.encode()
+        url = f"http://{addr}:{port}{raw_path.decode('latin-1')}"
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        has_body = b"content-length" in headers and headers[b"content-length"] != b"0" or b"transfer-encoding" in headers
+
+        body_done = asyncio.Event()
+        if not has_body:
+            body_done.set()
+        started = False
+
+        async def request_body() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        raise _ClientGone
+                    if msg.get("body"):
+                        yield msg["body"]
+                    if not msg.get("more_body"):
+                        return
+            finally:
+                body_done.set()
+
+        async def exchange() -> None:
+            nonlocal started
+            client = await self._http_client(sandbox_id)
+            resp = None
+            for attempt in range(self.dial_attempts):
+                req = client.build_request(scope["method"], url, headers=fwd,
+                                           content=request_body() if has_body else None)
+                try:
+                    resp = await client.send(req, stream=True)
+                    break
+                except (httpx.ConnectError, httpx.ConnectTimeout):
+                    if self._running(sandbox_id) is False:
+                        raise not_found(sandbox_id) from None
+                    if attempt + 1 < self.dial_attempts:
+                        await asyncio.sleep(self.dial_delay_s)
+            if resp is None:
+                raise port_closed(sandbox_id, port)
+            try:
+                out = [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP_BY_HOP]
+                await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
+                started = True
+                async for chunk in resp.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+            finally:
+                await resp.aclose()
+
+        async def client_gone() -> None:
+            await body_done.wait()
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        gone = self.subscribe(sandbox_id)
+        work = asyncio.create_task(exchange())
+        watchers = [asyncio.create_task(gone.wait()), asyncio.create_task(client_gone())]
+        try:
+            await asyncio.wait([work, *watchers], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                if gone.is_set():
+                    if started:  # returning mid-response makes the server drop the connection
+                        log.info("sandbox %s stopped running: cut a response to port %d", sandbox_id, port)
+                        return
+                    raise not_found(sandbox_id)
+                return  # the client disconnected
+            try:
+                work.result()
+            except _ClientGone:
+                return
+            except httpx.TransportError as exc:
+                if started:  # the head is sent: the server drops the connection
+                    log.info("sandbox %s port %d: response cut: %s", sandbox_id, port, type(exc).__name__)
+                    return
+                if self._running(sandbox_id) is False:
+                    raise not_found(sandbox_id) from exc
+                raise _Reject(502, {"sandboxId": sandbox_id, "code": 502,
+                                    "message": f"The request to port {port} of the sandbox failed: "
+                                               f"{type(exc).__name__}"}) from exc
+        finally:
+            for w in watchers:
+                w.cancel()
+            self.unsubscribe(sandbox_id)
+
+    # -- cutting requests to sandboxes that stop running -----------------------------------------
+
+    def _running(self, sandbox_id: str) -> bool:
+        try:
+            return self.orch.get(sandbox_id).state == State.RUNNING
+        except NotFound:
+            return False
+
+    def subscribe(self, sandbox_id: str) -> asyncio.Event:
+        ev, n = self._gone.get(sandbox_id, (asyncio.Event(), 0))
+        self._gone[sandbox_id] = (ev, n + 1)
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch(), name="proxy-watch")
+        return ev
+
+    def unsubscribe(self, sandbox_id: str) -> None:
+        ev, n = self._gone[sandbox_id]
+        if n <= 1:
+            del self._gone[sandbox_id]
+        else:
+            self._gone[sandbox_id] = (ev, n - 1)
+
+    async def _watch(self) -> None:
+        while self._gone:
+            await asyncio.sleep(self.watch_interval_s)
+            for sid, (ev, _) in list(self._gone.items()):
+                if not ev.is_set() and not self._running(sid):
+                    ev.set()

@@ -1,0 +1,85 @@
+"""WebSocket pass-through to a sandbox port (after the same routing and checks as HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+if TYPE_CHECKING:
+    from agentenv.proxy.http import Receive, SandboxProxy, Scope, Send
+
+# Handshake headers the upstream client makes itself.
+_OWN = frozenset({b"host", b"connection", b"upgrade", b"sec-websocket-key", b"sec-websocket-version",
+                  b"sec-websocket-extensions", b"sec-websocket-protocol", b"content-length", b"transfer-encoding"})
+
+
+async def reject(scope: Scope, send: Send, status: int, body: dict[str, Any]) -> None:
+    """Refuse before the handshake: with an HTTP answer (E2B's JSON) where the server supports
+    it, else a close (the client sees 403)."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        data = json.dumps(body).encode()
+        await send({"type": "websocket.http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "websocket.http.response.body", "body": data})
+    else:
+        await send({"type": "websocket.close", "code": 1011, "reason": str(body.get("message", ""))[:120]})
+
+
+async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Send, addr: str,
+                  sandbox_id: str, port: int) -> None:
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])
+               if k.lower() not in _OWN]
+    qs = scope.get("query_string", b"").decode("latin-1")
+    url = f"ws://{addr}:{port}{scope.get('path', '/')}" + (f"?{qs}" if qs else "")
+    if (await receive())["type"] != "websocket.connect":
+        return
+    try:
+        up = await connect(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
+                           max_size=None, open_timeout=10, ping_interval=None, compression=None)
+    except (OSError, InvalidHandshake, TimeoutError) as exc:
+        if isinstance(exc, InvalidStatus):
+            status = exc.response.status_code
+            await reject(scope, send, status, {"code": status, "message": f"the sandbox's server answered {status}"})
+        else:
+            await reject(scope, send, 502, {"sandboxId": sandbox_id, "code": 502, "port": port,
+                                            "message": "The sandbox is running but port is not open"})
+        return
+    async with up:
+        await send({"type": "websocket.accept", "subprotocol": up.subprotocol})
+
+        async def client_to_sandbox() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "websocket.disconnect":
+                    await up.close(msg.get("code", 1000))
+                    return
+                if msg.get("bytes") is not None:
+                    await up.send(msg["bytes"])
+                elif msg.get("text") is not None:
+                    await up.send(msg["text"])
+
+        async def sandbox_to_client() -> None:
+            try:
+                async for data in up:
+                    key = "bytes" if isinstance(data, bytes) else "text"
+                    await send({"type": "websocket.send", key: data})
+            except ConnectionClosed:
+                pass
+            await send({"type": "websocket.close", "code": up.close_code or 1000, "reason": up.close_reason or ""})
+
+        gone = proxy.subscribe(sandbox_id)
+        tasks = [asyncio.create_task(client_to_sandbox()), asyncio.create_task(sandbox_to_client()),
+                 asyncio.create_task(gone.wait())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if tasks[2] in done:  # the sandbox stopped running: end the client's side too
+                await send({"type": "websocket.close", "code": 1011, "reason": "The sandbox was not found"})
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            proxy.unsubscribe(sandbox_id)

@@ -1,0 +1,139 @@
+"""Control-plane details E2B clients rely on, checked on the wire: error bodies and statuses,
+v2 list pagination headers and filters, refresh, templates, metrics of several sandboxes."""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import quote, urlencode
+
+import httpx
+
+from tests.e2b.conftest import PY_LATEST, SDK
+from tests.framework.server import ServerProcess
+
+
+def _create(api: httpx.Client, **body: object) -> dict:
+    r = api.post("/v2/sandboxes", json={"templateID": "base", **body})
+    assert r.status_code == 201, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def test_create_answers_and_refusals(api: httpx.Client) -> None:
+    sb = _create(api, timeout=60, autoPause=True, autoResume={"enabled": True}, secure=True,
+                 mcp=None, metadata={"m": "1"}, envVars={"A": "1"})
+    try:
+        assert set(sb) >= {"templateID", "sandboxID", "clientID", "envdVersion", "envdAccessToken", "domain"}
+        assert sb["envdVersion"] == "0.6.13" and sb["domain"] == "aenv.test" and len(sb["envdAccessToken"]) >= 32
+        assert "-" not in sb["sandboxID"] and "." not in sb["sandboxID"]
+        d = api.get(f"/sandboxes/{sb['sandboxID']}").json()
+        assert d["lifecycle"] == {"autoResume": True, "onTimeout": "pause"}
+        assert d["allowInternetAccess"] is True and d["state"] == "running" and d["metadata"] == {"m": "1"}
+        for key in ("startedAt", "endAt", "cpuCount", "memoryMB", "diskSizeMB", "envdVersion", "clientID"):
+            assert key in d
+    finally:
+        assert api.delete(f"/sandboxes/{sb['sandboxID']}").status_code == 204
+    refusals = [
+        ({"timeout": 25 * 3600}, "Timeout cannot be greater than 24 hours"),
+        ({"timeout": -1}, "timeout"),
+        ({"autoPauseMemory": False}, "autoPauseMemory requires autoPause"),
+        ({"autoPause": True, "autoPauseMemory": False, "autoResume": {"enabled": True}}, "autoResume"),
+        ({"volumeMounts": [{"name": "v", "path": "/mnt"}]}, "volumes"),
+        ({"network": {"dnsServers": ["1.1.1.1"]}}, "dnsServers"),
+        ({"network": {"allowOut": ["2001:db8::/32"]}}, "IPv6"),
+    ]
+    for body, words in refusals:
+        r = api.post("/v2/sandboxes", json={"templateID": "base", **body})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["code"] == 400 and words in r.json()["message"], (body, r.text)
+    r = api.post("/sandboxes", json={"templateID": "no-such-template"})
+    assert r.status_code == 404 and r.json()["code"] == 404 and "no-such-template" in r.json()["message"]
+
+
+def test_unknown_sandbox_is_404_with_e2b_body(api: httpx.Client) -> None:
+    for method, path, body in [("GET", "/sandboxes/nonexistingsandbox", None),
+                               ("DELETE", "/sandboxes/nonexistingsandbox", None),
+                               ("POST", "/sandboxes/nonexistingsandbox/timeout", {"timeout": 10}),
+                               ("POST", "/sandboxes/nonexistingsandbox/refreshes", {"duration": 10}),
+                               ("GET", "/sandboxes/nonexistingsandbox/metrics", None),
+                               ("PUT", "/sandboxes/nonexistingsandbox/network", {})]:
+        r = api.request(method, path, json=body)
+        assert r.status_code == 404, (method, path, r.text)
+        assert r.json() == {"code": 404, "message": "sandbox 'nonexistingsandbox' not found"}
+
+
+def test_v2_list_pages_filters_and_headers(api: httpx.Client) -> None:
+    tag = f"t{time.time_ns()}"
+    meta = {"tag": tag, "odd key": "a&b=c d"}
+    ids = [_create(api, timeout=120, metadata=meta)["sandboxID"] for _ in range(3)]
+    try:
+        # The SDK's double encoding: quote() keys and values, urlencode, then the query is encoded again.
+        q = urlencode({quote(k): quote(v) for k, v in meta.items()})
+        r = api.get("/v2/sandboxes", params={"metadata": q, "limit": 2})
+        assert r.status_code == 200 and [s["sandboxID"] for s in r.json()] == ids[::-1][:2]
+        token = r.headers["X-Next-Token"]
+        assert int(r.headers["X-Total-Running"]) >= 3
+        r = api.get("/v2/sandboxes", params={"metadata": q, "limit": 2, "nextToken": token})
+        assert [s["sandboxID"] for s in r.json()] == ids[:1] and "X-Next-Token" not in r.headers
+        r = api.get("/v2/sandboxes", params={"metadata": q, "order": "asc"})
+        assert [s["sandboxID"] for s in r.json()] == ids
+        r = api.get("/v2/sandboxes", params={"metadata": q, "state": "paused"})
+        assert r.json() == []
+        r = api.get("/v2/sandboxes", params={"metadata": q, "template": "base", "state": "running,paused"})
+        assert len(r.json()) == 3
+        assert api.get("/v2/sandboxes", params={"metadata": q, "template": "nope"}).json() == []
+        started = api.get(f"/sandboxes/{ids[1]}").json()["startedAt"]
+        r = api.get("/v2/sandboxes", params={"metadata": q, "startedAfter": started})
+        assert sorted(s["sandboxID"] for s in r.json()) == sorted(ids[1:])
+        assert [s["sandboxID"] for s in api.get("/sandboxes", params={"metadata": q}).json()] == ids[::-1]
+        for bad in ({"limit": 0}, {"limit": 101}, {"template": "base:v1"}, {"nextToken": "!!"},
+                    {"state": "sleeping"}, {"metadata": "novalue"}, {"order": "up"}):
+            r = api.get("/v2/sandboxes", params=bad)
+            assert r.status_code == 400 and r.json()["code"] == 400, (bad, r.text)
+    finally:
+        for sid in ids:
+            api.delete(f"/sandboxes/{sid}")
+
+
+def test_refresh_extends_never_shortens(api: httpx.Client) -> None:
+    sid = _create(api, timeout=100)["sandboxID"]
+    try:
+        end0 = api.get(f"/sandboxes/{sid}").json()["endAt"]
+        assert api.post(f"/sandboxes/{sid}/refreshes", json={"duration": 10}).status_code == 204
+        assert api.get(f"/sandboxes/{sid}").json()["endAt"] == end0
+        assert api.post(f"/sandboxes/{sid}/refreshes", json={"duration": 1000}).status_code == 204
+        assert api.get(f"/sandboxes/{sid}").json()["endAt"] > end0
+        assert api.post(f"/sandboxes/{sid}/timeout", json={"timeout": -5}).status_code == 400
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_templates_and_metrics_of_several_sandboxes(sdk: SDK, api: httpx.Client) -> None:
+    t = api.get("/templates").json()
+    base = next(x for x in t if x["templateID"] == "base")
+    assert base["aliases"] == ["base"] and base["buildStatus"] == "ready" and base["envdVersion"] == "0.6.13"
+    assert api.get("/templates/aliases/base").json() == {"templateID": "base", "public": True}
+    assert api.get("/templates/aliases/nope").status_code == 404
+    out = sdk.python(PY_LATEST, """
+        import json
+        from e2b import Template
+        print(json.dumps({"base": Template.exists("base"), "nope": Template.exists("nope")}))
+    """)
+    assert out == {"base": True, "nope": False}
+    ids = [_create(api, timeout=60)["sandboxID"] for _ in range(2)]
+    try:
+        r = api.get("/sandboxes/metrics", params={"sandbox_ids": ",".join([*ids, "inotthere"])})
+        assert r.status_code == 200
+        got = r.json()["sandboxes"]
+        assert sorted(got) == sorted(ids)
+        for m in got.values():
+            assert m["cpuCount"] == 1 and 0 < m["memUsed"] < m["memTotal"] and 0 < m["diskUsed"] < m["diskTotal"]
+    finally:
+        for sid in ids:
+            api.delete(f"/sandboxes/{sid}")
+
+
+def test_api_key_is_required_with_e2b_body(e2b_server: ServerProcess) -> None:
+    for headers in ({}, {"X-API-Key": "e2b_" + "0" * 40}):
+        r = httpx.get(e2b_server.url + "/v2/sandboxes", headers=headers)
+        assert r.status_code == 401 and r.json()["code"] == 401 and "API key" in r.json()["message"]
+    assert e2b_server.api_key.startswith("e2b_") and len(e2b_server.api_key) == 44

@@ -1,0 +1,124 @@
+"""WebSocket pass-through to a sandbox port, with a WebSocket echo server in the guest."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tests.framework.server import ServerProcess
+
+# A WebSocket echo server on the guest's python3 standard library (no packages in the guest).
+ECHO_SERVER = r'''
+import base64, hashlib, socket, struct, threading
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+def read(f, n):
+    b = f.read(n)
+    if len(b) < n:
+        raise EOFError
+    return b
+def handle(c):
+    f = c.makefile("rb")
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        head += read(f, 1)
+    key = [l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key")][0]
+    acc = base64.b64encode(hashlib.sha1(key + GUID).digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Accept: " + acc + b"\r\n\r\n")
+    try:
+        while True:
+            b1, b2 = read(f, 2)
+            op, n = b1 & 0x0F, b2 & 0x7F
+            if n == 126:
+                n = struct.unpack(">H", read(f, 2))[0]
+            elif n == 127:
+                n = struct.unpack(">Q", read(f, 8))[0]
+            mask = read(f, 4)
+            data = bytes(x ^ mask[i % 4] for i, x in enumerate(read(f, n)))
+            if op == 8:
+                c.sendall(b"\x88\x02" + (data[:2] or b"\x03\xe8"))
+                return
+            out = b"echo:" + data
+            n = len(out)
+            size = bytes([n]) if n < 126 else (b"\x7e" + struct.pack(">H", n) if n < 65536 else b"\x7f" + struct.pack(">Q", n))
+            c.sendall(bytes([0x80 | op]) + size + out)
+    except (EOFError, OSError):
+        pass
+    finally:
+        c.close()
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 8765))
+s.listen()
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=handle, args=(c,), daemon=True).start()
+'''
+
+
+def test_websocket_echo_through_the_proxy_and_cut_on_kill(e2b_server: ServerProcess, api: httpx.Client) -> None:
+    sid = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+    try:
+        assert api.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/ws.py"},
+                       content=ECHO_SERVER.encode()).status_code == 204
+        r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "nohup python3 /tmp/ws.py >/tmp/ws.log 2>&1 &"})
+        assert r.status_code == 200, r.text
+        url = e2b_server.url.replace("http://", "ws://") + "/socket"
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8765"}
+
+        async def scenario() -> dict:
+            out: dict = {}
+            for _ in range(100):  # the server takes a moment to listen
+                try:
+                    ws = await connect(url, additional_headers=headers, max_size=None)
+                    break
+                except InvalidStatus:
+                    await asyncio.sleep(0.2)
+            async with ws:
+                await ws.send("hello")
+                out["text"] = await ws.recv()
+                blob = os.urandom(70_000)
+                await ws.send(blob)
+                out["binary"] = await ws.recv() == b"echo:" + blob
+                t0 = time.monotonic()
+                api.delete(f"/sandboxes/{sid}")
+                try:
+                    await asyncio.wait_for(ws.recv(), 15)
+                    out["after_kill"] = "message"
+                except ConnectionClosed as e:
+                    out["after_kill"] = e.rcvd.code if e.rcvd else "no close frame"
+                out["cut_s"] = time.monotonic() - t0
+            try:
+                await connect(url, additional_headers=headers)
+                out["dead"] = None
+            except InvalidStatus as e:
+                out["dead"] = [e.response.status_code, e.response.body]
+            return out
+
+        out = asyncio.run(scenario())
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    assert out["text"] == "echo:hello" and out["binary"] is True
+    assert out["after_kill"] == 1011 and out["cut_s"] < 5
+    assert out["dead"][0] == 502 and b"The sandbox was not found" in out["dead"][1]
+
+
+def test_websocket_to_a_closed_port_is_502(e2b_server: ServerProcess, api: httpx.Client) -> None:
+    sid = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 60}).json()["sandboxID"]
+    try:
+        async def attempt() -> InvalidStatus:
+            with pytest.raises(InvalidStatus) as e:
+                await connect(e2b_server.url.replace("http://", "ws://") + "/",
+                              additional_headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "9"})
+            return e.value
+
+        err = asyncio.run(attempt())
+        assert err.response.status_code == 502 and b"port is not open" in err.response.body
+    finally:
+        api.delete(f"/sandboxes/{sid}")
