@@ -151,8 +151,8 @@ def test_named_snapshot_starts_new_sandboxes_and_outlives_its_source(api: httpx.
     assert r.status_code == 201, r.text
     snap = r.json()
     assert snap["names"] == ["e2e-snap"] and snap["snapshotID"]
-    assert api.post(f"/sandboxes/{sid}/snapshots", json={"name": "e2e-snap"}).status_code == 400  # taken
     assert api.post(f"/sandboxes/{sid}/snapshots", json={"name": "bad name!"}).status_code == 400
+    assert api.post(f"/sandboxes/{sid}/snapshots", json={"name": "base"}).status_code == 400  # a template's
     run(api, sid, "echo later > /home/user/s.txt")
     api.delete(f"/sandboxes/{sid}")
     listed = api.get("/snapshots").json()

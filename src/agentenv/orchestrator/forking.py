@@ -164,11 +164,17 @@ async def snapshot(orch: Orchestrator, sandbox_id: str, name: str | None) -> Che
         if not SNAPSHOT_NAME.fullmatch(name):
             raise InvalidRequest("snapshot name must be 1-64 letters, digits, '-' or '_', starting with a "
                                  "letter or digit")
-        if orch.catalog.exists(name) or any(c.name == name for c in orch.repo.list("snapshot")):
-            raise InvalidRequest(f"the name '{name}' is already used by a template or snapshot; choose another "
-                                 "or delete that one first")
+        if orch.catalog.exists(name):
+            raise InvalidRequest(f"the name '{name}' is a template's; choose another snapshot name")
     live = orch._require(sandbox_id, {State.RUNNING, State.SNAPSHOTTING, State.FORKING})
-    return await _checkpoint(orch, live, State.SNAPSHOTTING, "snapshot", name)
+    cp = await _checkpoint(orch, live, State.SNAPSHOTTING, "snapshot", name)
+    if name is not None:
+        # E2B semantics: a name already taken moves to the new snapshot (a new build of the
+        # same snapshot template); the older snapshot keeps its id and stays usable by id.
+        for older in orch.repo.list("snapshot"):
+            if older.name == name and older.id != cp.id:
+                await asyncio.to_thread(orch.repo.put, older.with_(name=None))
+    return cp
 
 
 async def fork(orch: Orchestrator, sandbox_id: str, count: int,

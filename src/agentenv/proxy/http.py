@@ -150,7 +150,8 @@ class SandboxProxy:
                 follow_redirects=False, trust_env=False)
         return client
 
-    def _lookup(self, sandbox_id: str, port: int, headers: dict[bytes, bytes]) -> tuple[str, dict[str, Any]]:
+    async def _lookup(self, sandbox_id: str, port: int, headers: dict[bytes, bytes]) -> tuple[str, dict[str, Any]]:
+        await self._auto_resume(sandbox_id)
         try:
             rec = self.orch.get(sandbox_id)
             addr = self.orch.guest_address(sandbox_id)
@@ -163,9 +164,24 @@ class SandboxProxy:
                                 "token in the e2b-traffic-access-token header"})
         return addr, net
 
+    async def _auto_resume(self, sandbox_id: str) -> None:
+        """Traffic for a paused sandbox created with ``autoResume.enabled`` resumes it (with
+        at least 300 s to live) before it is forwarded; any other paused sandbox is 502."""
+        try:
+            rec = self.orch.get(sandbox_id)
+        except NotFound:
+            return
+        auto = rec.options.get("autoResume") or {}
+        if rec.state in (State.PAUSING, State.PAUSED) and isinstance(auto, dict) and auto.get("enabled"):
+            log.info("traffic for paused sandbox %s: resuming it (autoResume)", sandbox_id)
+            try:
+                await self.orch.connect(sandbox_id, 300)
+            except Exception as exc:  # noqa: BLE001 — the request then gets the usual 502
+                log.warning("auto-resume of %s failed: %s", sandbox_id, exc)
+
     async def websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        addr, _ = self._lookup(sandbox_id, port, headers)
+        addr, _ = await self._lookup(sandbox_id, port, headers)
         await websocket.forward(self, scope, receive, send, addr, sandbox_id, port)
 
     async def http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
@@ -174,7 +190,7 @@ class SandboxProxy:
         path = scope.get("path", "/")
         if port == ENVD_PORT and path in INTERNAL_ENVD_PATHS:
             raise _Reject(404, {"code": 404, "message": "Not Found"})
-        addr, net = self._lookup(sandbox_id, port, headers)
+        addr, net = await self._lookup(sandbox_id, port, headers)
 
         fwd = [(k, v) for k, v in raw_headers if k.lower() not in HOP_BY_HOP]
         if port != ENVD_PORT:

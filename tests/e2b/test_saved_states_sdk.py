@@ -1,0 +1,93 @@
+"""Pause, connect/resume, snapshots and fork through the official Python SDK (2.63 sync and
+async, 2.45 sync), unchanged, against a real server."""
+
+from __future__ import annotations
+
+from tests.e2b.conftest import PY_245, PY_LATEST, SDK
+
+SYNC = """
+    import json, time
+    from e2b import Sandbox
+    o = {}
+    sb = Sandbox.create(timeout=300, metadata={"suite": "saved"})
+    sb.commands.run("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done' >/dev/null 2>&1 &")
+    sb.files.write("/home/user/keep.txt", "kept")
+    o["pause"] = sb.pause()
+    o["pause_again"] = Sandbox.pause(sb.sandbox_id) if hasattr(Sandbox, "pause") else None
+    o["running_while_paused"] = sb.is_running()
+    o["state"] = sb.get_info().state.value
+    o["listed_paused"] = [s.sandbox_id for s in Sandbox.list(query=__import__("e2b").SandboxQuery(state=["paused"])).next_items()]
+    again = Sandbox.connect(sb.sandbox_id, timeout=300)
+    o["resumed_same_id"] = again.sandbox_id == sb.sandbox_id
+    o["running_after"] = again.is_running()
+    c1 = int(again.commands.run("cat /tmp/c").stdout); time.sleep(0.3)
+    o["counter_goes_on"] = int(again.commands.run("cat /tmp/c").stdout) > c1
+    o["file"] = again.files.read("/home/user/keep.txt")
+    snap = again.create_snapshot(name="sdk-snap-VERSION")
+    o["snap_names"] = snap.names
+    again.files.write("/home/user/keep.txt", "changed after snapshot")
+    child = Sandbox.create(snap.snapshot_id, timeout=120)
+    o["from_snapshot"] = child.files.read("/home/user/keep.txt")
+    child.kill()
+    forks = again.fork(count=2, timeout=120)
+    o["forks"] = [type(f).__name__ for f in forks]
+    o["fork_files"] = [f.files.read("/home/user/keep.txt") for f in forks]
+    forks[0].files.write("/home/user/keep.txt", "fork0")
+    o["fork1_after_fork0_write"] = forks[1].files.read("/home/user/keep.txt")
+    o["fork_ids_distinct"] = len({f.sandbox_id for f in forks} | {again.sandbox_id}) == 3
+    for f in forks:
+        f.kill()
+    o["snapshots_listed"] = any(s.snapshot_id == snap.snapshot_id for s in Sandbox.list_snapshots().next_items())
+    o["deleted"] = Sandbox.delete_snapshot(snap.snapshot_id)
+    again.kill()
+    print(json.dumps(o))
+"""
+
+
+def _check(out: dict) -> None:
+    assert out["pause"] is True
+    assert out["pause_again"] in (False, None)  # 409: already paused
+    assert out["running_while_paused"] is False
+    assert out["state"] == "paused"
+    assert out["listed_paused"], out
+    assert out["resumed_same_id"] and out["running_after"]
+    assert out["counter_goes_on"]
+    assert out["file"] == "kept"
+    assert out["from_snapshot"] == "kept"
+    assert out["forks"] == ["Sandbox", "Sandbox"] or out["forks"] == ["AsyncSandbox", "AsyncSandbox"]
+    assert out["fork_files"] == ["changed after snapshot", "changed after snapshot"]
+    assert out["fork1_after_fork0_write"] == "changed after snapshot"
+    assert out["fork_ids_distinct"]
+    assert out["snapshots_listed"] and out["deleted"] is True
+
+
+def test_pause_connect_snapshot_fork_sync(sdk: SDK) -> None:
+    out = sdk.python(PY_LATEST, SYNC.replace("VERSION", "263"), timeout=600)
+    assert out["snap_names"] and out["snap_names"][0].startswith("sdk-snap-263")
+    _check(out)
+
+
+def test_pause_connect_snapshot_fork_sdk_245(sdk: SDK) -> None:
+    _check(sdk.python(PY_245, SYNC.replace("VERSION", "245"), timeout=600))
+
+
+def test_pause_and_connect_async(sdk: SDK) -> None:
+    out = sdk.python(PY_LATEST, """
+        import asyncio, json
+        from e2b import AsyncSandbox
+        async def main():
+            o = {}
+            sb = await AsyncSandbox.create(timeout=300)
+            await sb.files.write("/home/user/a.txt", "async")
+            o["pause"] = await sb.pause()
+            o["info"] = (await sb.get_info()).state.value
+            sb2 = await AsyncSandbox.connect(sb.sandbox_id, timeout=300)
+            o["read"] = await sb2.files.read("/home/user/a.txt")
+            forks = await sb2.fork(count=1)
+            o["fork_read"] = await forks[0].files.read("/home/user/a.txt")
+            await forks[0].kill()
+            await sb2.kill()
+            print(json.dumps(o))
+        asyncio.run(main())
+    """, timeout=600)
+    assert out == {"pause": True, "info": "paused", "read": "async", "fork_read": "async"}
