@@ -7,7 +7,7 @@ from tests.e2b.conftest import PY_245, PY_LATEST, SDK
 
 SYNC = """
     import json, time
-    from e2b import Sandbox
+    from e2b import Sandbox, SandboxQuery, SandboxState
     o = {}
     sb = Sandbox.create(timeout=300, metadata={"suite": "saved"})
     sb.commands.run("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done' >/dev/null 2>&1 &")
@@ -16,7 +16,7 @@ SYNC = """
     o["pause_again"] = Sandbox.pause(sb.sandbox_id) if hasattr(Sandbox, "pause") else None
     o["running_while_paused"] = sb.is_running()
     o["state"] = sb.get_info().state.value
-    o["listed_paused"] = [s.sandbox_id for s in Sandbox.list(query=__import__("e2b").SandboxQuery(state=["paused"])).next_items()]
+    o["listed_paused"] = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()]
     again = Sandbox.connect(sb.sandbox_id, timeout=300)
     o["resumed_same_id"] = again.sandbox_id == sb.sandbox_id
     o["running_after"] = again.is_running()
