@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,35 @@ class SnapshotBuilder:
             t.artifacts.to_json(), self.accel.accel, self.guest_aslr,
         ]).encode()).hexdigest()[:12]
         return self.root / t.name / "snapshots" / f"{vcpus}cpu-{memory_mb}M-{key}"
+
+    def remove_stale(self, catalog: TemplateCatalog, keep: set[str]) -> list[str]:
+        """Remove template snapshots built from inputs that are no longer current (an image or
+        accelerator change made new ones) unless ``keep`` names them, by directory or memory
+        file (a checkpoint or a sandbox still needs them). Each holds ~100+ MiB of tmpfs."""
+        current = {t.name: self.snapshot_dir(t, 1, 2).name.rsplit("-", 1)[1] for t in catalog.list()}
+        removed = []
+        for meta in self.root.glob("*/snapshots/*/meta.json"):
+            d = meta.parent
+            template = d.parent.parent.name
+            if str(d) in keep or current.get(template) == d.name.rsplit("-", 1)[1]:
+                continue
+            snap = TemplateSnapshot.load(d)
+            if snap is not None and str(snap.mem_file) in keep:
+                continue
+            if snap is not None:
+                snap.mem_file.unlink(missing_ok=True)
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
+        # memory files no snapshot owns (a build cut short by a crash)
+        owned = {str(s.mem_file) for m in self.root.glob("*/snapshots/*/meta.json")
+                 if (s := TemplateSnapshot.load(m.parent)) is not None}
+        for mem in self.mem_dir.glob("*.mem") if self.mem_dir.exists() else ():
+            if str(mem) not in owned:
+                mem.unlink(missing_ok=True)
+                removed.append(str(mem))
+        for d in removed:
+            log.info("removed stale template snapshot %s", d)
+        return removed
 
     async def get(self, t: Template, vcpus: int, memory_mb: int) -> TemplateSnapshot:
         """The snapshot for this shape, building it on first use (concurrent callers wait)."""

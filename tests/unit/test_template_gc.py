@@ -1,0 +1,46 @@
+"""Template snapshots of superseded images are removed at start (they hold ~130 MiB of tmpfs
+each), unless a checkpoint or a sandbox still needs them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agentenv.images import GuestArtifacts
+from agentenv.orchestrator.templates import SnapshotBuilder, Template, TemplateCatalog
+from agentenv.storage import TemplateSnapshot
+from agentenv.vmm.accel import AccelInfo
+
+
+def _snapshot(builder: SnapshotBuilder, d: Path, mem: Path) -> TemplateSnapshot:
+    d.mkdir(parents=True)
+    for name in ("disk.qcow2", "state"):
+        (d / name).write_bytes(b"x")
+    mem.write_bytes(b"m")
+    snap = TemplateSnapshot(template="base", dir=d, mem_file=mem, memory_mb=512, vcpus=1, kernel="k",
+                            initramfs="i", rootfs="r", created_at=1.0)
+    snap.save()
+    return snap
+
+
+def test_stale_template_snapshots_are_removed_unless_kept(tmp_path: Path) -> None:
+    root, mem_dir = tmp_path / "templates", tmp_path / "mem"
+    mem_dir.mkdir()
+    catalog = TemplateCatalog(root)
+    new = Template("base", GuestArtifacts(Path("/k"), Path("/i"), Path("/r-new")))
+    old = Template("base", GuestArtifacts(Path("/k"), Path("/i"), Path("/r-old")))
+    catalog.put(new)
+    builder = SnapshotBuilder(root=root, mem_dir=mem_dir, sock_dir=tmp_path, slots=None,  # type: ignore[arg-type]
+                              accel=AccelInfo("tcg", "test"), boot_timeout_s=1, tb_size_mb=32)
+    current = _snapshot(builder, builder.snapshot_dir(new, 1, 512), mem_dir / "cur.mem")
+    current_big = _snapshot(builder, builder.snapshot_dir(new, 2, 1024), mem_dir / "cur2.mem")
+    stale = _snapshot(builder, builder.snapshot_dir(old, 1, 512), mem_dir / "old.mem")
+    pinned = _snapshot(builder, builder.snapshot_dir(old, 1, 1024), mem_dir / "pinned.mem")
+    mapped = _snapshot(builder, builder.snapshot_dir(old, 2, 512), mem_dir / "mapped.mem")
+    (mem_dir / "orphan.mem").write_bytes(b"o")
+
+    removed = builder.remove_stale(catalog, {str(pinned.dir), str(mapped.mem_file)})
+
+    assert set(removed) == {str(stale.dir), str(mem_dir / "orphan.mem")}
+    assert not stale.dir.exists() and not stale.mem_file.exists()
+    for kept in (current, current_big, pinned, mapped):
+        assert TemplateSnapshot.load(kept.dir) is not None
