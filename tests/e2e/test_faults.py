@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from tests.framework.server import ServerProcess
 def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: ServerProcess) -> None:
     sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
     (pid,) = host.qemu_pids(sid)
-    ns = f"{(server.data_dir / 'sandboxes' / sid / 'machine.json').read_text()}"
+    ns = json.loads((server.data_dir / "sandboxes" / sid / "machine.json").read_text())["netns"]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     info = {}
@@ -31,7 +32,7 @@ def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: 
             break
         time.sleep(0.1)
     assert info["state"] == "error" and "QEMU exited" in info["error"]
-    assert not any(n in ns for n in host.netns_names() if n.startswith("aenv-")), "namespace not freed"
+    assert ns not in host.netns_names(), "namespace not freed"
     r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "true"})
     assert r.status_code == 409 and "error" in r.json()["message"]
     assert api.delete(f"/sandboxes/{sid}").status_code == 204
