@@ -13,6 +13,7 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -295,6 +296,22 @@ def test_start_pipes_stdin_to_a_shell_through_the_proxy_then_kills(aenv, stub):
     assert len(stub.calls("DELETE", "/sandboxes/sb1")) == 1
     kept = aenv("--url", stub.url, "start", "--keep", input="")
     assert kept.exit_code == 3 and len(stub.calls("DELETE", "/sandboxes/sb1")) == 1
+
+
+def test_the_sandbox_is_refreshed_while_the_shell_runs(aenv, stub, monkeypatch):
+    from agentenv.cli import terminal
+
+    monkeypatch.setattr(terminal, "REFRESH_EVERY_S", 0.05)
+    stub.on("POST", "/sandboxes", {"templateID": "base", "sandboxID": "sb1"}, status=201)
+    stub.on("DELETE", "/sandboxes/sb1", Answer(204))
+    stub.on("POST", "/sandboxes/sb1/refreshes", Answer(204))
+    shell_routes(stub)
+    answer = stub.routes[("POST", "/process.Process/Start")]
+    stub.on("POST", "/process.Process/Start", lambda rec: (time.sleep(0.6), answer)[1])  # a shell busy 0.6 s
+    res = aenv("--url", stub.url, "start", input="")
+    assert res.exit_code == 3, res.output
+    refreshes = stub.calls("POST", "/sandboxes/sb1/refreshes")
+    assert len(refreshes) >= 3 and refreshes[0].json() == {"duration": 300}
 
 
 def test_connect_resumes_then_runs_the_shell_and_keeps_the_sandbox(aenv, stub, states):

@@ -6,6 +6,7 @@ answers into a table (or JSON when piped).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Annotated, Any
@@ -13,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from agentenv.cli.client import client_for
+from agentenv.cli.client import ApiClient, client_for
 from agentenv.cli.context import CliError
 from agentenv.cli.output import (
     Column,
@@ -28,6 +29,7 @@ from agentenv.cli.output import (
 from agentenv.cli.params import parse_pairs
 from agentenv.cli.terminal import run_shell
 
+SHELL_KEEPALIVE_S = 300  # while a shell is attached, the sandbox lives at least this much longer
 CREATE_TIMEOUT = 600.0  # a cold boot under TCG takes minutes; the server enforces its own limit
 
 
@@ -52,8 +54,8 @@ def start(
     """Start a sandbox and open a shell in it (or just print its id with --detach).
 
     On a terminal the shell is interactive (a remote PTY); with stdin piped, bash runs stdin as
-    its script. The exit code is the shell's. The sandbox is killed when the shell ends unless
-    --keep is given."""
+    its script. The exit code is the shell's. While the shell runs the sandbox is kept alive; it
+    is killed when the shell ends unless --keep is given."""
     body: dict[str, Any] = {"templateID": template}
     for field, value in (("timeout", timeout), ("cpuCount", cpu), ("memoryMB", memory)):
         if value is not None:
@@ -75,7 +77,7 @@ def start(
                   markup=False)
         code = 0
         try:
-            code = run_shell(client.url, sandbox)
+            code = run_shell(client.url, sandbox, refresher(client, sid))
         finally:
             if keep:
                 err.print(f"sandbox {sid} kept; `aenv rm {sid}` kills it", markup=False)
@@ -83,6 +85,11 @@ def start(
                 client.call("DELETE", f"/sandboxes/{sid}")
                 err.print(f"sandbox {sid} killed", markup=False)
     raise typer.Exit(code)
+
+
+def refresher(client: ApiClient, sandbox_id: str) -> Callable[[], object]:
+    """Keeps a sandbox alive while a shell is attached (refreshes never shorten a timeout)."""
+    return lambda: client.call("POST", f"/sandboxes/{sandbox_id}/refreshes", json={"duration": SHELL_KEEPALIVE_S})
 
 
 def connect(
@@ -101,7 +108,7 @@ def connect(
                                   timeout=CREATE_TIMEOUT)
         console(stderr=True).print(f"connected to sandbox {sandbox_id}; `exit` or Ctrl-D leaves the shell "
                                    "(the sandbox keeps running).", markup=False)
-        code = run_shell(client.url, sandbox)
+        code = run_shell(client.url, sandbox, refresher(client, sandbox_id))
     raise typer.Exit(code)
 
 

@@ -15,7 +15,9 @@ Two modes, chosen by whether stdin is a terminal:
   ``echo 'cd /tmp; pwd; exit 3' | aenv start`` prints ``/tmp`` and exits 3. stdout and stderr
   stay separate and carry no prompt or echo.
 
-Either way the command's exit code is the shell's.
+Either way the command's exit code is the shell's. While the shell runs, the sandbox is
+refreshed every minute (``POST /sandboxes/{id}/refreshes``, which never shortens a timeout), so
+it is not killed under a user who is still typing.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import termios
 import threading
 import tty
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, suppress
 from typing import Any
 
@@ -36,6 +38,7 @@ from agentenv.cli.context import CliError
 from agentenv.envd_client import EnvdClient, EnvdError
 
 ENVD_PORT = 49983
+REFRESH_EVERY_S = 60.0
 _SIGNALS = {"hangup": 1, "interrupt": 2, "quit": 3, "killed": 9, "terminated": 15}
 
 
@@ -47,12 +50,13 @@ def envd_for(server_url: str, sandbox: dict[str, Any]) -> EnvdClient:
                       trust_env=host not in ("127.0.0.1", "localhost", "::1"))
 
 
-def run_shell(server_url: str, sandbox: dict[str, Any]) -> int:
-    """Run a shell in the sandbox until it exits; returns its exit code."""
+def run_shell(server_url: str, sandbox: dict[str, Any], refresh: Callable[[], object] | None = None) -> int:
+    """Run a shell in the sandbox until it exits; returns its exit code. ``refresh`` (a blocking
+    call, run in a thread) is called every REFRESH_EVERY_S seconds meanwhile; its errors are ignored."""
     fd = _stdin_fd()
     session = _terminal_session if fd is not None and os.isatty(fd) else _pipe_session
     try:
-        return asyncio.run(_until_signalled(session(envd_for(server_url, sandbox))))
+        return asyncio.run(_until_signalled(session(envd_for(server_url, sandbox)), refresh))
     except EnvdError as exc:
         raise CliError(f"shell in sandbox {sandbox['sandboxID']}: {exc.message or exc.code}") from None
 
@@ -70,10 +74,18 @@ def _exit_code(exit_code: int, exited: bool, status: str) -> int:
     return 128 + _SIGNALS.get(status.removeprefix("signal: "), 9)
 
 
-async def _until_signalled(session: Any) -> int:
+async def _refresh_loop(refresh: Callable[[], object]) -> None:
+    while True:
+        await asyncio.sleep(REFRESH_EVERY_S)
+        with suppress(Exception):
+            await asyncio.to_thread(refresh)
+
+
+async def _until_signalled(session: Any, refresh: Callable[[], object] | None = None) -> int:
     """Run ``session``; SIGTERM or SIGHUP to aenv cancels it (so its cleanup runs) and gives 128+N."""
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(session)
+    refresher = asyncio.ensure_future(_refresh_loop(refresh)) if refresh else None
     got: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(signum, lambda n=signum: (got.append(n), task.cancel()))
@@ -86,6 +98,10 @@ async def _until_signalled(session: Any) -> int:
     finally:
         for signum in (signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+        if refresher is not None:
+            refresher.cancel()
+            with suppress(asyncio.CancelledError):
+                await refresher
 
 
 async def _queue_chunks(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
