@@ -6,11 +6,14 @@ server from conftest.py, so request shapes, streaming and exit codes are checked
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import stat
+import struct
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from agentenv.cli.output import OutputFormat, choose_format
 
 from .conftest import Answer
 
-COMMANDS = ["serve", "setup", "doctor", "auth", "start", "exec", "ls", "timeout", "rm", "upload", "download",
+COMMANDS = ["serve", "setup", "doctor", "auth", "start", "connect", "exec", "ls", "timeout", "rm", "upload", "download",
             "pause", "resume", "snapshot", "snapshot create", "snapshot ls", "snapshot rm", "fork", "template",
             "template ls", "bench"]
 
@@ -257,18 +260,70 @@ def test_start_detached_prints_the_id(aenv, stub):
     assert stub.requests[-1].json() == {"templateID": "base"}
 
 
-def test_start_runs_lines_then_kills(aenv, stub):
-    stub.on("POST", "/sandboxes", {"templateID": "base", "sandboxID": "sb1"}, status=201)
-    stub.on("POST", "/sandboxes/sb1/exec", ndjson({"type": "stdout", "data": "hi\n"},
-                                                  {"type": "end", "exitCode": 0, "status": "exit status 0"}))
+def connect_stream(*messages: dict) -> Answer:
+    """A Connect server-stream answer: enveloped messages, then an end-of-stream envelope."""
+    frames = [struct.pack(">BI", 0, len(b := json.dumps(m).encode())) + b for m in messages]
+    return Answer(200, [*frames, struct.pack(">BI", 2, 2) + b"{}"], "application/connect+json")
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def shell_routes(stub, sid: str = "sb1", exit_code: int = 3) -> None:
+    """envd as seen through the server's sandbox proxy: a shell printing hi / oops, exiting 3."""
+    stub.on("POST", "/process.Process/Start", connect_stream(
+        {"event": {"start": {"pid": 5}}}, {"event": {"data": {"stdout": b64("hi\n")}}},
+        {"event": {"data": {"stderr": b64("oops\n")}}},
+        {"event": {"end": {"exitCode": exit_code, "exited": True, "status": f"exit status {exit_code}"}}}))
+    stub.on("POST", "/process.Process/StreamInput", connect_stream())
+    stub.on("POST", "/process.Process/CloseStdin", {})
+
+
+def test_start_pipes_stdin_to_a_shell_through_the_proxy_then_kills(aenv, stub):
+    stub.on("POST", "/sandboxes", {"templateID": "base", "sandboxID": "sb1", "envdAccessToken": "tok"}, status=201)
     stub.on("DELETE", "/sandboxes/sb1", Answer(204))
-    res = aenv("--url", stub.url, "start", input="echo hi\n\npwd\nexit\necho never\n")
-    assert res.exit_code == 0, res.output
-    assert [r.json()["cmd"] for r in stub.calls("POST", "/sandboxes/sb1/exec")] == ["echo hi", "pwd"]
-    assert res.stdout == "hi\nhi\n"
+    shell_routes(stub)
+    res = aenv("--url", stub.url, "--key", "k", "start", input="echo hi; echo oops >&2; exit 3\n")
+    assert res.exit_code == 3, res.output
+    assert res.stdout == "hi\n" and "oops\n" in res.stderr
+    (start,) = stub.calls("POST", "/process.Process/Start")
+    assert start.headers["E2b-Sandbox-Id"] == "sb1" and start.headers["E2b-Sandbox-Port"] == "49983"
+    assert start.headers["X-Access-Token"] == "tok" and "X-API-Key" not in start.headers
+    message = json.loads(start.body[5:])
+    assert message["process"]["cmd"] == "/bin/bash" and message["process"]["args"] == ["-l"]
+    assert message["stdin"] is True and "pty" not in message
     assert len(stub.calls("DELETE", "/sandboxes/sb1")) == 1
     kept = aenv("--url", stub.url, "start", "--keep", input="")
-    assert kept.exit_code == 0 and len(stub.calls("DELETE", "/sandboxes/sb1")) == 1
+    assert kept.exit_code == 3 and len(stub.calls("DELETE", "/sandboxes/sb1")) == 1
+
+
+def test_the_sandbox_is_refreshed_while_the_shell_runs(aenv, stub, monkeypatch):
+    from agentenv.cli import terminal
+
+    monkeypatch.setattr(terminal, "REFRESH_EVERY_S", 0.05)
+    stub.on("POST", "/sandboxes", {"templateID": "base", "sandboxID": "sb1"}, status=201)
+    stub.on("DELETE", "/sandboxes/sb1", Answer(204))
+    stub.on("POST", "/sandboxes/sb1/refreshes", Answer(204))
+    shell_routes(stub)
+    answer = stub.routes[("POST", "/process.Process/Start")]
+    stub.on("POST", "/process.Process/Start", lambda rec: (time.sleep(0.6), answer)[1])  # a shell busy 0.6 s
+    res = aenv("--url", stub.url, "start", input="")
+    assert res.exit_code == 3, res.output
+    refreshes = stub.calls("POST", "/sandboxes/sb1/refreshes")
+    assert len(refreshes) >= 3 and refreshes[0].json() == {"duration": 300}
+
+
+def test_connect_resumes_then_runs_the_shell_and_keeps_the_sandbox(aenv, stub, states):
+    sid = states.add(state="paused")
+    shell_routes(stub, sid, exit_code=0)
+    res = aenv("--url", stub.url, "connect", sid, input="echo hi\n")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == "hi\n"
+    assert [r.json() for r in stub.calls("POST", f"/sandboxes/{sid}/connect")] == [{"timeout": 300}]
+    assert states.sandboxes[sid]["state"] == "running" and not stub.calls("DELETE", f"/sandboxes/{sid}")
+    missing = aenv("--url", stub.url, "connect", "nope")
+    assert missing.exit_code == 1 and missing.stderr.startswith("error:")
 
 
 def test_timeout_and_rm_all(aenv, stub):

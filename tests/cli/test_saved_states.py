@@ -297,7 +297,7 @@ def test_a_whole_session(cli, states):
 
 
 def test_stub_connect_route_answers_like_the_server(stub, states):
-    """No command uses connect yet (an interactive `aenv connect` may come); its stub route is checked here."""
+    """The stub route `aenv connect` relies on answers like the server."""
     running, paused = states.add(), states.add(state="paused")
     with httpx.Client(base_url=stub.url) as http:
         was_running = http.post(f"/sandboxes/{running}/connect", json={"timeout": 60})

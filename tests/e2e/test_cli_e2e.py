@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
+import select
+import signal
+import struct
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
+import httpx
+
+from tests.e2e.conftest import run
 from tests.framework.server import ServerProcess
 
 AENV = [sys.executable, "-m", "agentenv.cli.main"]
@@ -42,13 +52,114 @@ def test_cli_lifecycle(server: ServerProcess, tmp_path: Path) -> None:
     assert r.returncode == 1 and r.stderr.startswith("error:") and sid in r.stderr
 
 
-def test_cli_interactive_start_runs_lines_and_cleans_up(server: ServerProcess) -> None:
-    before = {s["sandboxID"] for s in json.loads(aenv(server, "ls", "-o", "json").stdout)}
-    r = aenv(server, "start", stdin="echo from-the-shell\nuname -s\nexit\n")
-    assert r.returncode == 0, r.stderr
-    assert "from-the-shell" in r.stdout and "Linux" in r.stdout
-    after = {s["sandboxID"] for s in json.loads(aenv(server, "ls", "-o", "json").stdout)}
-    assert after == before
+def sandbox_ids(server: ServerProcess) -> set[str]:
+    return {s["sandboxID"] for s in json.loads(aenv(server, "ls", "-o", "json").stdout)}
+
+
+def test_cli_start_with_piped_stdin_runs_it_as_a_script_and_cleans_up(server: ServerProcess) -> None:
+    before = sandbox_ids(server)
+    r = aenv(server, "start", stdin="cd /tmp\necho hi $PWD; uname -s\necho oops >&2; exit 3\necho never\n")
+    assert r.returncode == 3, r.stderr
+    assert r.stdout == "hi /tmp\nLinux\n"  # one shell: `cd` carries over; no prompt, no echo
+    assert "oops" in r.stderr and "killed" in r.stderr
+    assert sandbox_ids(server) == before
+
+
+class Terminal:
+    """``aenv`` run on a real pseudo-terminal, as a user's terminal emulator would run it."""
+
+    def __init__(self, server: ServerProcess, *args: str, cols: int = 100, rows: int = 30) -> None:
+        self.master, self.slave = os.openpty()
+        self.resize(cols, rows)
+        self.cooked = termios.tcgetattr(self.slave)
+        env = {**os.environ, "AENV_URL": server.url, "AENV_API_KEY": server.api_key, "TERM": "xterm"}
+        self.proc = subprocess.Popen([*AENV, *args], stdin=self.slave, stdout=self.slave, stderr=self.slave,
+                                     env=env, start_new_session=True)
+        self.out = b""
+
+    def resize(self, cols: int, rows: int) -> None:
+        fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def expect(self, pattern: str, timeout: float = 60.0, since: int = 0) -> re.Match[bytes]:
+        """Wait until ``pattern`` shows up in the output (from offset ``since``)."""
+        deadline = time.monotonic() + timeout
+        while not (m := re.compile(pattern.encode()).search(self.out, since)):
+            left = deadline - time.monotonic()
+            assert left > 0, f"{pattern!r} not seen; output so far: {self.out[-2000:]!r}"
+            if select.select([self.master], [], [], min(left, 0.5))[0]:
+                try:
+                    self.out += os.read(self.master, 65536)
+                except OSError:  # EIO: aenv exited and closed its side
+                    time.sleep(0.1)
+        return m
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.master)
+        os.close(self.slave)
+
+
+def test_cli_start_on_a_terminal_is_an_interactive_pty_shell(server: ServerProcess) -> None:
+    before = sandbox_ids(server)
+    term = Terminal(server, "start")
+    try:
+        sid = term.expect(r"sandbox (\w+) is running", timeout=300).group(1).decode()
+        prompt = term.expect(r"[$#] $").end()
+        assert termios.tcgetattr(term.slave)[3] & termios.ICANON == 0, "the local terminal should be raw"
+        term.type("echo $((6*7))\r")
+        term.expect(r"[\r\n]42\r\n", since=prompt)
+        # The shell runs on a PTY of the local terminal's size, and follows it when it changes.
+        term.type("stty size\r")
+        term.expect(r"[\r\n]30 100\r\n", since=prompt)
+        term.resize(111, 33)
+        os.kill(term.proc.pid, signal.SIGWINCH)
+        seen = len(term.out)
+        deadline = time.monotonic() + 60
+        while not re.search(rb"[\r\n]33 111\r\n", term.out[seen:]):
+            assert time.monotonic() < deadline, term.out[-1000:]
+            term.type("stty size\r")
+            term.expect(r"[\r\n]\d+ \d+\r\n", since=len(term.out))
+        # Ctrl-C reaches the remote foreground process (raw mode: the byte 0x03), not aenv.
+        term.type("sleep 100\r")
+        time.sleep(3)
+        mark, t0 = len(term.out), time.monotonic()
+        term.type("\x03")
+        term.type("echo after-$?\r")
+        term.expect(r"after-130", since=mark, timeout=30)
+        assert time.monotonic() - t0 < 30 and term.proc.poll() is None
+        term.type("exit 7\r")
+        assert term.proc.wait(timeout=60) == 7
+        term.expect(f"sandbox {sid} killed")
+        assert termios.tcgetattr(term.slave) == term.cooked, "the terminal settings must be restored"
+    finally:
+        term.close()
+    assert sandbox_ids(server) == before
+
+
+def test_cli_connect_resumes_a_paused_sandbox(server: ServerProcess, api: httpx.Client, sandbox: str) -> None:
+    run(api, sandbox, "echo kept > /home/user/marker")
+    assert api.post(f"/sandboxes/{sandbox}/pause").status_code == 204
+    assert api.get(f"/sandboxes/{sandbox}").json()["state"] == "paused"
+    r = aenv(server, "connect", sandbox, stdin="cat /home/user/marker; exit 4\n")
+    assert r.returncode == 4, r.stderr
+    assert r.stdout == "kept\n"
+    assert api.get(f"/sandboxes/{sandbox}").json()["state"] == "running"  # left running
+    term = Terminal(server, "connect", sandbox)
+    try:
+        term.expect(f"connected to sandbox {sandbox}", timeout=120)
+        prompt = term.expect(r"[$#] $").end()
+        term.type("cat /home/user/marker\r")
+        term.expect(r"[\r\n]kept\r\n", since=prompt)
+        term.type("\x04")  # Ctrl-D at the prompt: the shell ends with the last status
+        assert term.proc.wait(timeout=60) == 0
+    finally:
+        term.close()
+    assert api.get(f"/sandboxes/{sandbox}").json()["state"] == "running"
 
 
 def test_cli_doctor_against_a_live_server(server: ServerProcess) -> None:

@@ -87,6 +87,7 @@ app.command("doctor")(doctor.doctor)
 app.command("auth")(auth.auth)
 # Sandboxes
 app.command("start")(sandbox.start)
+app.command("connect")(sandbox.connect)
 app.command("exec", context_settings=execute.CONTEXT)(execute.exec_command)
 app.command("ls")(sandbox.ls)
 app.command("timeout")(sandbox.set_timeout)

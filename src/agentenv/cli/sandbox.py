@@ -6,6 +6,7 @@ answers into a table (or JSON when piped).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Annotated, Any
@@ -13,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from agentenv.cli.client import client_for
+from agentenv.cli.client import ApiClient, client_for
 from agentenv.cli.context import CliError
 from agentenv.cli.output import (
     Column,
@@ -26,8 +27,9 @@ from agentenv.cli.output import (
     status,
 )
 from agentenv.cli.params import parse_pairs
-from agentenv.cli.shell import line_shell
+from agentenv.cli.terminal import run_shell
 
+SHELL_KEEPALIVE_S = 300  # while a shell is attached, the sandbox lives at least this much longer
 CREATE_TIMEOUT = 600.0  # a cold boot under TCG takes minutes; the server enforces its own limit
 
 
@@ -49,7 +51,11 @@ def start(
     keep: Annotated[bool, typer.Option("--keep", help="Do not kill the sandbox when the shell ends.")] = False,
     output: OutputOption = None,
 ) -> None:
-    """Start a sandbox and open a line shell in it (or just print its id with --detach)."""
+    """Start a sandbox and open a shell in it (or just print its id with --detach).
+
+    On a terminal the shell is interactive (a remote PTY); with stdin piped, bash runs stdin as
+    its script. The exit code is the shell's. While the shell runs the sandbox is kept alive; it
+    is killed when the shell ends unless --keep is given."""
     body: dict[str, Any] = {"templateID": template}
     for field, value in (("timeout", timeout), ("cpuCount", cpu), ("memoryMB", memory)):
         if value is not None:
@@ -67,17 +73,42 @@ def start(
             print_json(sandbox) if explicit_format(ctx, output) == "json" else typer.echo(sid)
             return
         err = console(stderr=True)
-        err.print(f"sandbox {sid} is running (template {template}). Each line runs in a fresh "
-                  "`bash -l -c`; `exit` or Ctrl-D leaves.", markup=False)
+        err.print(f"sandbox {sid} is running (template {template}); `exit` or Ctrl-D leaves the shell.",
+                  markup=False)
         code = 0
         try:
-            code = line_shell(client, sid)
+            code = run_shell(client.url, sandbox, refresher(client, sid))
         finally:
             if keep:
                 err.print(f"sandbox {sid} kept; `aenv rm {sid}` kills it", markup=False)
             else:
                 client.call("DELETE", f"/sandboxes/{sid}")
                 err.print(f"sandbox {sid} killed", markup=False)
+    raise typer.Exit(code)
+
+
+def refresher(client: ApiClient, sandbox_id: str) -> Callable[[], object]:
+    """Keeps a sandbox alive while a shell is attached (refreshes never shorten a timeout)."""
+    return lambda: client.call("POST", f"/sandboxes/{sandbox_id}/refreshes", json={"duration": SHELL_KEEPALIVE_S})
+
+
+def connect(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.", show_default=False)],
+    timeout: Annotated[int, typer.Option("--timeout", help="Seconds the sandbox then lives "
+                                         "(as E2B's connect: never shortened).")] = 300,
+) -> None:
+    """Open a shell in a running sandbox, resuming it first if it is paused.
+
+    Like `aenv start`, interactive on a terminal and a script reader with stdin piped; leaving
+    the shell leaves the sandbox running."""
+    with client_for(ctx) as client:
+        with status(f"Connecting to sandbox {sandbox_id}…"):
+            sandbox = client.call("POST", f"/sandboxes/{sandbox_id}/connect", json={"timeout": timeout},
+                                  timeout=CREATE_TIMEOUT)
+        console(stderr=True).print(f"connected to sandbox {sandbox_id}; `exit` or Ctrl-D leaves the shell "
+                                   "(the sandbox keeps running).", markup=False)
+        code = run_shell(client.url, sandbox, refresher(client, sandbox_id))
     raise typer.Exit(code)
 
 

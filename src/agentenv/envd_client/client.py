@@ -149,7 +149,10 @@ async def _call(callback: OutputCallback | None, data: bytes) -> None:
 class EnvdClient:
     """Talks to one guest agent at ``base_url`` (``http://<ip>:49983``)."""
 
-    def __init__(self, base_url: str, access_token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, base_url: str, access_token: str | None = None, timeout: float = 30.0, *,
+                 headers: dict[str, str] | None = None, trust_env: bool = True) -> None:
+        """``headers`` go with every request: e.g. ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` to reach an
+        envd through a sandbox proxy at ``base_url``. ``trust_env=False`` ignores HTTP(S)_PROXY."""
         self.base_url = base_url.rstrip("/")
         self.access_token = access_token
         self.timeout = timeout
@@ -157,6 +160,7 @@ class EnvdClient:
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=60.0),
+            headers=headers, trust_env=trust_env,
         )
 
     async def aclose(self) -> None:
@@ -304,11 +308,14 @@ class EnvdClient:
 
     async def stream(self, cmd: str | list[str], *, envs: dict[str, str] | None = None,
                      cwd: str | None = None, user: str | None = None, timeout: float | None = None,
-                     stdin: bool = False, tag: str | None = None) -> AsyncIterator[ProcessEvent]:
+                     stdin: bool = False, tag: str | None = None,
+                     pty: tuple[int, int] | None = None) -> AsyncIterator[ProcessEvent]:
         """Start a process and yield its events: ``start``, ``stdout``/``stderr`` chunks, ``end``.
 
         A ``str`` runs as ``/bin/bash -l -c cmd``; a list is the argv. ``timeout`` (seconds) is the
         process lifetime: the agent kills it and the stream raises ``EnvdError("deadline_exceeded")``.
+        ``pty=(cols, rows)`` runs it on a pseudo-terminal of that size: output then comes as ``pty``
+        chunks and input goes with :meth:`send_pty` / ``stream_input(pty=True)``.
         Abandoning the iteration disconnects but does not kill the process.
         """
         argv = ["/bin/bash", "-l", "-c", cmd] if isinstance(cmd, str) else list(cmd)
@@ -318,6 +325,8 @@ class EnvdClient:
         if cwd:
             process["cwd"] = cwd
         message: dict[str, Any] = {"process": process, "stdin": stdin}
+        if pty is not None:
+            message["pty"] = {"size": {"cols": int(pty[0]), "rows": int(pty[1])}}
         if tag:
             message["tag"] = tag
         async with aclosing(self._server_stream("process.Process/Start", message, user, timeout)) as payloads:
@@ -374,6 +383,16 @@ class EnvdClient:
     async def send_stdin(self, pid: int, data: bytes) -> None:
         await self.rpc("process.Process/SendInput",
                        {"process": {"pid": pid}, "input": {"stdin": base64.b64encode(data).decode()}})
+
+    async def send_pty(self, pid: int, data: bytes) -> None:
+        """Type ``data`` into the PTY of a process started with ``pty=``."""
+        await self.rpc("process.Process/SendInput",
+                       {"process": {"pid": pid}, "input": {"pty": base64.b64encode(data).decode()}})
+
+    async def resize_pty(self, pid: int, cols: int, rows: int) -> None:
+        """``process.Process/Update``: resize the PTY (the process gets SIGWINCH)."""
+        await self.rpc("process.Process/Update",
+                       {"process": {"pid": pid}, "pty": {"size": {"cols": int(cols), "rows": int(rows)}}})
 
     async def close_stdin(self, pid: int) -> None:
         await self.rpc("process.Process/CloseStdin", {"process": {"pid": pid}})

@@ -1,0 +1,244 @@
+"""The shell of `aenv start` and `aenv connect`: a process in the sandbox, driven over envd.
+
+The CLI talks to the sandbox's envd through the server's sandbox proxy (same address as the
+API; requests carry ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port: 49983`` and envd's
+``X-Access-Token``), with the Connect protocol of :class:`agentenv.envd_client.EnvdClient`.
+
+Two modes, chosen by whether stdin is a terminal:
+
+* **terminal**: ``/bin/bash -i -l`` on a PTY the size of the local terminal. The local terminal
+  is put in raw mode, so every key (Ctrl-C as the byte 0x03, Ctrl-D, arrows, …) goes to the
+  remote PTY over one client-streaming ``process.Process/StreamInput`` call; PTY output is
+  written to stdout as it comes; SIGWINCH is forwarded as ``process.Process/Update``. The
+  terminal settings are restored on every way out.
+* **pipe** (scripts, tests): ``/bin/bash -l`` without a PTY reads stdin as its script, so
+  ``echo 'cd /tmp; pwd; exit 3' | aenv start`` prints ``/tmp`` and exits 3. stdout and stderr
+  stay separate and carry no prompt or echo.
+
+Either way the command's exit code is the shell's. While the shell runs, the sandbox is
+refreshed every minute (``POST /sandboxes/{id}/refreshes``, which never shortens a timeout), so
+it is not killed under a user who is still typing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import termios
+import threading
+import tty
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, suppress
+from typing import Any
+
+from agentenv.cli.context import CliError
+from agentenv.envd_client import EnvdClient, EnvdError
+
+ENVD_PORT = 49983
+REFRESH_EVERY_S = 60.0
+_SIGNALS = {"hangup": 1, "interrupt": 2, "quit": 3, "killed": 9, "terminated": 15}
+
+
+def envd_for(server_url: str, sandbox: dict[str, Any]) -> EnvdClient:
+    """An envd client for ``sandbox`` (its create/connect/get JSON) via the server's proxy."""
+    host = server_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
+    return EnvdClient(server_url, sandbox.get("envdAccessToken"), timeout=30.0,
+                      headers={"E2b-Sandbox-Id": sandbox["sandboxID"], "E2b-Sandbox-Port": str(ENVD_PORT)},
+                      trust_env=host not in ("127.0.0.1", "localhost", "::1"))
+
+
+def run_shell(server_url: str, sandbox: dict[str, Any], refresh: Callable[[], object] | None = None) -> int:
+    """Run a shell in the sandbox until it exits; returns its exit code. ``refresh`` (a blocking
+    call, run in a thread) is called every REFRESH_EVERY_S seconds meanwhile; its errors are ignored."""
+    fd = _stdin_fd()
+    session = _terminal_session if fd is not None and os.isatty(fd) else _pipe_session
+    try:
+        return asyncio.run(_until_signalled(session(envd_for(server_url, sandbox)), refresh))
+    except EnvdError as exc:
+        raise CliError(f"shell in sandbox {sandbox['sandboxID']}: {exc.message or exc.code}") from None
+
+
+def _stdin_fd() -> int | None:
+    try:
+        return sys.stdin.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _exit_code(exit_code: int, exited: bool, status: str) -> int:
+    if exited or exit_code >= 0:
+        return exit_code
+    return 128 + _SIGNALS.get(status.removeprefix("signal: "), 9)
+
+
+async def _refresh_loop(refresh: Callable[[], object]) -> None:
+    while True:
+        await asyncio.sleep(REFRESH_EVERY_S)
+        with suppress(Exception):
+            await asyncio.to_thread(refresh)
+
+
+async def _until_signalled(session: Any, refresh: Callable[[], object] | None = None) -> int:
+    """Run ``session``; SIGTERM or SIGHUP to aenv cancels it (so its cleanup runs) and gives 128+N."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(session)
+    refresher = asyncio.ensure_future(_refresh_loop(refresh)) if refresh else None
+    got: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(signum, lambda n=signum: (got.append(n), task.cancel()))
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if got:
+            return 128 + got[0]
+        raise
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(signum)
+        if refresher is not None:
+            refresher.cancel()
+            with suppress(asyncio.CancelledError):
+                await refresher
+
+
+async def _queue_chunks(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
+    while (chunk := await queue.get()) is not None:
+        yield chunk
+
+
+def _read_into(queue: asyncio.Queue[bytes | None], loop: asyncio.AbstractEventLoop) -> None:
+    """Thread body: copy stdin into ``queue`` until EOF (then None). A daemon thread, as a
+    blocked read can't be interrupted; it works for pipes and regular files alike."""
+    reader = sys.stdin.buffer
+    read = getattr(reader, "read1", reader.read)
+    try:
+        while chunk := read(65536):
+            loop.call_soon_threadsafe(queue.put_nowait, bytes(chunk))
+    except (OSError, ValueError):
+        pass
+    loop.call_soon_threadsafe(queue.put_nowait, None)
+
+
+def _write(stream: Any, data: bytes) -> None:
+    stream.write(data)
+    stream.flush()
+
+
+async def _pipe_session(envd: EnvdClient) -> int:
+    """``bash -l`` reading stdin as its script; stdout/stderr relayed as they are."""
+    async with envd:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        feeder: asyncio.Task[None] | None = None
+
+        async def feed(pid: int) -> None:
+            try:
+                await envd.stream_input(pid, _queue_chunks(queue))
+                await envd.close_stdin(pid)
+            except EnvdError:
+                pass  # the shell ended before reading all of stdin (e.g. `exit` in the middle)
+
+        events = envd.stream(["/bin/bash", "-l"], stdin=True, envs=_term_env(dumb=True))
+        try:
+            async with aclosing(events):
+                async for ev in events:
+                    if ev.type == "start":
+                        threading.Thread(target=_read_into, args=(queue, loop), daemon=True).start()
+                        feeder = asyncio.create_task(feed(ev.pid))
+                    elif ev.type in ("stdout", "pty"):
+                        _write(sys.stdout.buffer, ev.data)
+                    elif ev.type == "stderr":
+                        _write(sys.stderr.buffer, ev.data)
+                    elif ev.type == "end":
+                        return _exit_code(ev.exit_code, ev.exited, ev.status)
+        finally:
+            if feeder is not None:
+                feeder.cancel()
+                with suppress(asyncio.CancelledError, EnvdError):
+                    await feeder
+        raise EnvdError("internal", "the shell's output stream ended without an exit status")
+
+
+def _term_env(dumb: bool = False) -> dict[str, str]:
+    env = {"TERM": "dumb" if dumb else os.environ.get("TERM") or "xterm-256color"}
+    if lang := os.environ.get("LANG"):
+        env["LANG"] = lang
+    return env
+
+
+def _size() -> tuple[int, int]:
+    cols, rows = shutil.get_terminal_size((80, 24))
+    try:
+        cols, rows = os.get_terminal_size(sys.stdin.fileno())
+    except OSError:
+        pass
+    return cols, rows
+
+
+async def _terminal_session(envd: EnvdClient) -> int:
+    """``bash -i -l`` on a remote PTY; the local terminal in raw mode, relayed both ways."""
+    fd = sys.stdin.fileno()
+    out = sys.stdout.buffer
+    loop = asyncio.get_running_loop()
+    saved = termios.tcgetattr(fd)
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+    tasks: set[asyncio.Task[Any]] = set()
+    pid = 0
+
+    def on_key() -> None:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        if data:
+            queue.put_nowait(data)
+        else:  # the terminal hung up
+            loop.remove_reader(fd)
+            if pid:
+                tasks.add(asyncio.ensure_future(envd.send_signal(pid, "SIGKILL")))
+
+    def on_resize() -> None:
+        if pid:
+            cols, rows = _size()
+            task = asyncio.ensure_future(envd.resize_pty(pid, cols, rows))
+            tasks.add(task)
+            task.add_done_callback(lambda t: (tasks.discard(t), t.cancelled() or t.exception()))
+
+    async def feed() -> None:
+        try:
+            await envd.stream_input(pid, _queue_chunks(queue), pty=True)
+        except EnvdError:
+            # StreamInput unavailable or cut: type the remaining keys one call at a time.
+            while (chunk := await queue.get()) is not None:
+                with suppress(EnvdError):
+                    await envd.send_pty(pid, chunk)
+
+    async with envd:
+        events = envd.stream(["/bin/bash", "-i", "-l"], pty=_size(), envs=_term_env())
+        try:
+            tty.setraw(fd, termios.TCSANOW)
+            async with aclosing(events):
+                async for ev in events:
+                    if ev.type == "start":
+                        pid = ev.pid
+                        loop.add_reader(fd, on_key)
+                        loop.add_signal_handler(signal.SIGWINCH, on_resize)
+                        tasks.add(asyncio.create_task(feed()))
+                        on_resize()  # the window may have changed while the shell started
+                    elif ev.type in ("pty", "stdout", "stderr"):
+                        _write(out, ev.data)
+                    elif ev.type == "end":
+                        return _exit_code(ev.exit_code, ev.exited, ev.status)
+        finally:
+            loop.remove_reader(fd)
+            loop.remove_signal_handler(signal.SIGWINCH)
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+            for task in list(tasks):
+                task.cancel()
+            for task in list(tasks):
+                with suppress(asyncio.CancelledError, Exception):
+                    await task
+        raise EnvdError("internal", "the shell's output stream ended without an exit status")
