@@ -18,6 +18,13 @@ from pathlib import Path
 
 import httpx
 
+from agentenv.bench.e2b_sdk import (
+    DOMAIN,
+    bench_e2b_burst50,
+    bench_e2b_exec,
+    bench_e2b_transfer,
+    bench_e2b_tti,
+)
 from agentenv.bench.node import CACHE, LocalNode, qemu_pids
 from agentenv.bench.saved_states import (
     bench_fork,
@@ -204,6 +211,13 @@ SCENARIOS: dict[str, Scenario] = {
     "fork_child_pss_mb": bench_fork,
     "reset_ms": bench_fork,
     **{f"migrate_{op}_{mib}mib_ms": bench_migrate_baseline for op in ("save", "load") for mib in (20, 200)},
+    # issue #4: through the official E2B Python SDK (bench/e2b_sdk.py)
+    "e2b_tti_ms": bench_e2b_tti,
+    "e2b_tti_burst50_ms": bench_e2b_burst50,
+    "e2b_exec_rtt_ms": bench_e2b_exec,
+    "guest_bash_true_ms": bench_e2b_exec,
+    "upload_100mb_s": bench_e2b_transfer,
+    "download_100mb_s": bench_e2b_transfer,
 }
 MACHINE_LEVEL = ("cold_boot_ms", "template_snapshot_ms", "create_coldboot_ms")
 
@@ -223,7 +237,7 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
                 wanted.append(fn)
         if wanted:
             node = LocalNode(tmp / "node", BENCH_CIDR, cache, AENV_POOL_SIZE=str(Settings().pool_size), AENV_ACCEL=accel,
-                             AENV_MAX_SANDBOXES="64")
+                             AENV_MAX_SANDBOXES="64", AENV_DOMAIN=DOMAIN)
             node.start()
             try:
                 with node.client() as api:

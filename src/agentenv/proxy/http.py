@@ -140,8 +140,10 @@ class SandboxProxy:
         self._clients.clear()
 
     async def _http_client(self, sandbox_id: str) -> httpx.AsyncClient:
-        for sid in [s for s in self._clients if s != sandbox_id and not self._running(s)]:
-            await self._clients.pop(sid).aclose()
+        # Pop before awaiting: concurrent requests would otherwise pop the same stale client.
+        stale = [self._clients.pop(s) for s in list(self._clients) if s != sandbox_id and not self._running(s)]
+        for c in stale:
+            await c.aclose()
         client = self._clients.get(sandbox_id)
         if client is None:
             client = self._clients[sandbox_id] = httpx.AsyncClient(
