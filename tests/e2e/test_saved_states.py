@@ -254,3 +254,7 @@ def test_repository_is_empty_once_everything_is_deleted(api: httpx.Client, serve
         while list(layers.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert [p.name for p in layers.iterdir()] == []
+        from agentenv.config import Settings
+
+        mem_dir = Settings(data_dir=server.data_dir).mem_dir
+        assert list(mem_dir.glob("fork-*.mem")) == [], "a fork's memory file outlived its children"

@@ -139,3 +139,24 @@ def test_capture_speed_figure(mem: Path, tmp_path: Path) -> None:
         print(f"capture 20 MiB: {dt * 1e3:.1f} ms")
     finally:
         g.close()
+
+
+def test_materialized_file_is_base_plus_chain(mem: Path, tmp_path: Path) -> None:
+    g = Guest(mem)
+    try:
+        g.write(10, 3, 1)
+        l1 = ml.capture(g.proc.pid, mem, tmp_path / "l1")
+    finally:
+        g.close()
+    out = mem.with_name("merged.mem")
+    ml.materialize(mem, [l1.path], out)
+    assert out.stat().st_size == mem.stat().st_size
+    g2 = Guest(out)  # maps the materialized file copy-on-write: no page written into it
+    try:
+        assert (g2.read(3), g2.read(10), g2.read(12), g2.read(13), g2.read(5000)) == (7, 1, 1, 7, 0)
+        s, e = ml.ram_mapping(g2.proc.pid, out)
+        assert ml.private_runs(g2.proc.pid, s, e) == []
+    finally:
+        g2.close()
+    # holes stay holes: only the base's data and the layer's pages take space
+    assert out.stat().st_blocks * 512 < 4 << 20

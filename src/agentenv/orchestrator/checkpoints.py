@@ -153,6 +153,19 @@ class Checkpointer:
                 except VmmError:
                     log.exception("could not continue %s after its checkpoint", rec.id)
 
+    async def materialize(self, cp: Checkpoint, out: Path) -> Path:
+        """One memory file = template memory + the checkpoint's layers, for many sandboxes to
+        map copy-on-write (a fork's children): they share its page cache and start without
+        copying pages into their RAM."""
+        await asyncio.to_thread(self.repo.verify, cp)
+        base = _base(cp.base)
+        t0 = time.perf_counter()
+        n = await asyncio.to_thread(ml.materialize, base.mem_file, [self.repo.layer_path(r.name) for r in cp.memory],
+                                    out)
+        log.info("materialized %s for checkpoint %s: %d MiB in %.1f ms", out.name, cp.id, n >> 20,
+                 (time.perf_counter() - t0) * 1e3)
+        return out
+
     def _disk_layers(self, top: Path, sealed_top: bool) -> tuple[LayerRef, ...]:
         """The repository layers under the disk, oldest first, as the qcow2 headers chain
         them (the truth, whatever the records say)."""
@@ -167,12 +180,16 @@ class Checkpointer:
     # -- restore --------------------------------------------------------------------------
 
     async def restore(self, cp: Checkpoint, *, name: str, run_dir: Path, slot: Slot,
-                      disk_top: Path | None = None) -> tuple[Machine, str]:
+                      disk_top: Path | None = None, mem_file: Path | None = None,
+                      verified: bool = False) -> tuple[Machine, str]:
         """A running machine in the state of ``cp``; returns it and its disk overlay.
         ``disk_top`` resumes a paused sandbox on its own overlay; otherwise a new overlay
-        is made over the checkpoint's sealed disk."""
+        is made over the checkpoint's sealed disk. ``mem_file``: a memory file that already
+        holds the checkpoint's pages (``materialize``), mapped instead of the template's.
+        ``verified``: the caller checked the layers already (once for all of a fork's children)."""
         t0 = time.perf_counter()
-        await asyncio.to_thread(self.repo.verify, cp)
+        if not verified:
+            await asyncio.to_thread(self.repo.verify, cp)
         base = _base(cp.base)
         if base.created_at != cp.base_created_at:
             raise SnapshotUnusable(
@@ -188,7 +205,7 @@ class Checkpointer:
                 undo.add("disk", lambda: asyncio.to_thread(disk_top.unlink, True))  # type: ignore[union-attr]
             spec = MachineSpec(
                 name=name, run_dir=run_dir, sock_dir=self.sock_dir, kernel=Path(base.kernel),
-                initramfs=Path(base.initramfs), disk=disk_top, mem_path=base.mem_file,
+                initramfs=Path(base.initramfs), disk=disk_top, mem_path=mem_file or base.mem_file,
                 memory_mb=base.memory_mb, vcpus=base.vcpus, accel=self.accel, incoming=True,
                 device_state_only=True, netns=slot.netns, tb_size_mb=self.tb_size_mb, **guest_link_spec(),
             )
@@ -197,8 +214,8 @@ class Checkpointer:
             machine = await Machine.launch(spec)
             undo.add("machine", machine.kill)
             t2 = time.perf_counter()
-            pages = await asyncio.to_thread(ml.restore, machine.pid, base.mem_file,
-                                            [self.repo.layer_path(r.name) for r in cp.memory])
+            pages = 0 if mem_file else await asyncio.to_thread(
+                ml.restore, machine.pid, base.mem_file, [self.repo.layer_path(r.name) for r in cp.memory])
             t3 = time.perf_counter()
             await machine.load_state(self.repo.layer_path(cp.device.name), timeout=self.restore_timeout_s)
             log.info("restore %s: verify+disk %.1f ms, launch %.1f ms, %d pages %.1f ms, device state %.1f ms",

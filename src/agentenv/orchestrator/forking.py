@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# From this many children on, a fork writes one memory file with the checkpoint's pages that
+# every child maps (shared page cache, no per-child page copy) instead of copying the pages
+# into each child's RAM; the file is removed when no sandbox maps it any more.
+MATERIALIZE_FROM = 2
+
 SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
@@ -50,7 +55,8 @@ class Started:
 
 async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_id: str, access_token: str,
                                 template: str, env_vars: dict[str, str], run_dir: Path,
-                                disk_top: Path | None = None, options: dict[str, Any] | None = None) -> Started:
+                                disk_top: Path | None = None, options: dict[str, Any] | None = None,
+                                mem_file: Path | None = None) -> Started:
     """Slot (with the sandbox's egress rules) + QEMU restored to ``cp`` + the guest's identity
     (id, token, fresh entropy, the clock). Undoes everything it made on failure; never
     touches the checkpoint."""
@@ -64,7 +70,8 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
             await set_egress(slot, net.get("allowOut", []), net.get("denyOut", []))
         t1 = time.perf_counter()
         machine, disk = await orch.checkpoints.restore(cp, name=sandbox_id, run_dir=run_dir, slot=slot,
-                                                       disk_top=disk_top)
+                                                       disk_top=disk_top, mem_file=mem_file,
+                                                       verified=mem_file is not None)
         undo.add("machine", machine.kill)
         envd = EnvdClient(slot.guest_url, access_token=cp.access_token)
         undo.add("envd", envd.aclose)
@@ -87,7 +94,8 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
 
 
 async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env_vars: dict[str, str],
-                       metadata: dict[str, str], timeout_s: int, options: dict[str, Any]) -> SandboxRecord:
+                       metadata: dict[str, str], timeout_s: int, options: dict[str, Any],
+                       mem_file: Path | None = None) -> SandboxRecord:
     """A new sandbox (new id, token, slot) from a checkpoint; registered once it answers."""
     sandbox_id = new_sandbox_id()
     token = new_access_token()
@@ -95,7 +103,7 @@ async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env
     try:
         started = await start_from_checkpoint(orch, cp, sandbox_id=sandbox_id, access_token=token,
                                               template=template, env_vars=env_vars, run_dir=run_dir,
-                                              options=options)
+                                              options=options, mem_file=mem_file)
     except BaseException:
         await remove_tree(run_dir)
         raise
@@ -191,10 +199,17 @@ async def fork(orch: Orchestrator, sandbox_id: str, count: int,
     src = live.record
     timeout = src.timeout_s if timeout_s is None else timeout_s
     t1 = time.perf_counter()
-    results = await asyncio.gather(
-        *(_new_sandbox(orch, cp, template=src.template, env_vars={}, metadata=src.metadata, timeout_s=timeout,
-                       options=_child_options(src.options)) for _ in range(count)),
-        return_exceptions=True)
+    orch._forking += 1
+    try:
+        mem_file = None
+        if count >= MATERIALIZE_FROM:
+            mem_file = await orch.checkpoints.materialize(cp, orch.settings.mem_dir / f"fork-{cp.id}.mem")
+        results = await asyncio.gather(
+            *(_new_sandbox(orch, cp, template=src.template, env_vars={}, metadata=src.metadata, timeout_s=timeout,
+                           options=_child_options(src.options), mem_file=mem_file) for _ in range(count)),
+            return_exceptions=True)
+    finally:
+        orch._forking -= 1
     # The children's records pin the layers; the fork manifest itself is not kept.
     orch.repo.delete(cp.id)
     orch.schedule_gc()

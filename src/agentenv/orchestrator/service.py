@@ -64,6 +64,7 @@ class Orchestrator:
             restore_timeout_s=settings.restore_timeout_s, max_memory_layers=settings.max_memory_layers,
             faults=settings.faults)
         self._live: dict[str, LiveSandbox] = {}
+        self._forking = 0  # forks in progress (their memory file is not mapped yet)
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
 
@@ -407,7 +408,13 @@ class Orchestrator:
     async def gc(self, staging_older_than: float = 600.0) -> list[str]:
         async with self.repo.lock:
             pins = await asyncio.to_thread(self.pins)
-            return await asyncio.to_thread(self.repo.gc, pins, staging_older_than)
+            removed = await asyncio.to_thread(self.repo.gc, pins, staging_older_than)
+        mapped = {str(live.machine.spec.mem_path) for live in self._live.values() if live.machine is not None}
+        for f in self.settings.mem_dir.glob("fork-*.mem"):
+            if str(f) not in mapped and not self._forking:
+                f.unlink(missing_ok=True)  # a fork's memory file no child maps any more
+                removed.append(f.name)
+        return removed
 
     def schedule_gc(self) -> None:
         task = asyncio.get_running_loop().create_task(self.gc())

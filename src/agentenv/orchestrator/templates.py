@@ -130,7 +130,7 @@ class SnapshotBuilder:
         owned = {str(s.mem_file) for m in self.root.glob("*/snapshots/*/meta.json")
                  if (s := TemplateSnapshot.load(m.parent)) is not None}
         for mem in self.mem_dir.glob("*.mem") if self.mem_dir.exists() else ():
-            if str(mem) not in owned:
+            if str(mem) not in owned and str(mem) not in keep:
                 mem.unlink(missing_ok=True)
                 removed.append(str(mem))
         for d in removed:

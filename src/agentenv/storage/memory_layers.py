@@ -477,3 +477,49 @@ def file_digest(path: Path) -> str:
         f.seek(0)
         h.update(f.read(_HEADER.size))
     return h.hexdigest()
+
+
+def materialize(base: Path, chain: Sequence[Path], out: Path) -> int:
+    """Write ``out`` = the base memory file with the chain's pages applied: a memory file that
+    sandboxes map copy-on-write *instead of* writing the chain into each one's RAM (fork
+    children share its page cache and start without a page copy). Holes stay holes. Returns
+    the bytes written."""
+    written = 0
+    try:
+        with open(base, "rb") as src, open(out, "wb") as dst:
+            size = os.fstat(src.fileno()).st_size
+            dst.truncate(size)
+            pos = 0
+            while pos < size:
+                try:
+                    start = os.lseek(src.fileno(), pos, os.SEEK_DATA)
+                except OSError:  # ENXIO: no data after pos
+                    break
+                end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
+                off = start
+                while off < end:
+                    n = os.copy_file_range(src.fileno(), dst.fileno(), end - off, off, off)
+                    if n <= 0:
+                        break
+                    off += n
+                written += end - start
+                pos = end
+            for path in chain:
+                layer = LayerFile(path)
+                try:
+                    view = layer.view()
+                    off = layer.data_offset
+                    for first, count in layer.runs:
+                        nbytes = count * PAGE
+                        os.pwrite(dst.fileno(), view[off:off + nbytes], first * PAGE)
+                        off += nbytes
+                        written += nbytes
+                    del view
+                finally:
+                    layer.close()
+    except OSError as exc:
+        out.unlink(missing_ok=True)
+        if exc.errno == 28:
+            raise DiskFull(f"no space left on {out.parent} for a fork's memory file") from exc
+        raise StorageError(f"cannot write memory file {out}: {exc}") from exc
+    return written
