@@ -44,6 +44,7 @@ class Settings:
     guest_aslr: bool = False  # under TCG, ASLR in the guest makes every exec 2-3x slower
     max_fork: int = 16  # children per fork call
     max_memory_layers: int = 8  # a longer memory chain is compacted into one layer
+    max_disk_layers: int = 16  # a longer disk chain is streamed into the sandbox's overlay
     pause_on_stop: bool = False  # SIGTERM pauses running sandboxes instead of leaving them running
     repository_dir: Path | None = None  # snapshot repository (posix_fs); default data_dir/repository
     api_key: str | None = None  # overrides the generated key file
@@ -75,6 +76,7 @@ class Settings:
             api_key=os.environ.get("AENV_API_KEY"),
             max_fork=int(_env("AENV_MAX_FORK", str(d.max_fork))),
             max_memory_layers=int(_env("AENV_MAX_MEMORY_LAYERS", str(d.max_memory_layers))),
+            max_disk_layers=int(_env("AENV_MAX_DISK_LAYERS", str(d.max_disk_layers))),
             pause_on_stop=_env("AENV_PAUSE_ON_STOP", "0") in ("1", "true", "on"),
             repository_dir=Path(os.environ["AENV_REPOSITORY_DIR"]) if "AENV_REPOSITORY_DIR" in os.environ else None,
             boot_timeout_s=float(_env("AENV_BOOT_TIMEOUT", str(d.boot_timeout_s))),

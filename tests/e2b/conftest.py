@@ -10,7 +10,6 @@ the test asserts on them.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentenv.network import remove_slots_in
 from tests.framework.net import node_cidr
 from tests.framework.server import ServerProcess
 
@@ -45,23 +45,9 @@ def sdk_clients() -> Path:
 
 
 def _remove_slots_in(cidr: str) -> None:
-    """Remove namespaces and host veths holding addresses of ``cidr`` (this server's block).
-
-    A stale one (left by an earlier run that was cut short, while another test run kept the
-    session sweep from running) would shadow the route to a new sandbox with the same address."""
-    net = ipaddress.ip_network(cidr)
-    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, check=False, text=True).stdout
-    for line in out.splitlines():
-        dev, addr = line.split()[1].split("@")[0], line.split()[3]
-        if dev.startswith("ae") and ipaddress.ip_interface(addr).ip in net:
-            subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
-    for line in subprocess.run(["ip", "netns", "list"], capture_output=True, check=False, text=True).stdout.splitlines():
-        ns = line.split()[0] if line.strip() else ""
-        if ns.startswith("aenv-"):
-            a = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True, check=False,
-                               text=True).stdout
-            if a.strip() and ipaddress.ip_interface(a.split()[3]).ip in net:
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+    """Remove stale namespaces and veths of this server's address block (left by an earlier
+    run cut short while another test run kept the session sweep from running)."""
+    remove_slots_in(cidr)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -179,3 +180,34 @@ def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pyte
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+
+
+def test_disk_chain_is_bounded_by_streaming(node: ServerProcess) -> None:
+    """Each snapshot seals a disk layer under the sandbox; past AENV_MAX_DISK_LAYERS the chain
+    is streamed into the sandbox's overlay while it runs, and every snapshot stays usable."""
+    from agentenv.storage import backing_chain
+
+    restart(node, AENV_MAX_DISK_LAYERS="2")
+    with node.client() as api:
+        sid = busy_sandbox(api)
+        snaps = []
+        for i in range(5):
+            run(api, sid, f"echo {i} > /home/user/gen{i}")
+            snaps.append(api.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"])
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204  # waits for the stream
+        import json
+
+        top = Path(json.loads((node.data_dir / "sandboxes" / sid / "machine.json").read_text())["disk"])
+        layers = node.data_dir / "repository" / "layers"
+        depth = sum(1 for p in backing_chain(top) if p.parent == layers)
+        assert depth <= 3, f"disk chain not bounded: {depth} repository layers under {top}"
+        assert sorted(p.name for p in top.parent.glob("disk*.qcow2")) == [top.name], "sealed tops left in the run dir"
+        assert api.post(f"/sandboxes/{sid}/resume").status_code == 201
+        assert run(api, sid, "cat /home/user/gen0 /home/user/gen4")["stdout"] == "0\n4\n"
+        first = api.post("/sandboxes", json={"templateID": snaps[0]}).json()["sandboxID"]
+        assert run(api, first, "cat /home/user/gen0; ls /home/user | grep -c gen")["stdout"] == "0\n1\n"
+        for s in (sid, first):
+            api.delete(f"/sandboxes/{s}")
+        for snap in snaps:
+            api.delete(f"/snapshots/{snap}")
+    restart(node, AENV_MAX_DISK_LAYERS="16")

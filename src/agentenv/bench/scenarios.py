@@ -27,6 +27,7 @@ from agentenv.bench.e2b_sdk import (
 )
 from agentenv.bench.node import CACHE, LocalNode, qemu_pids
 from agentenv.bench.saved_states import (
+    MIGRATE_CIDR,
     bench_fork,
     bench_migrate_baseline,
     bench_pause_resume,
@@ -36,7 +37,12 @@ from agentenv.bench.stats import summarize, wait_pool
 from agentenv.config import Settings
 from agentenv.envd_client import EnvdClient
 from agentenv.images import artifacts_present
-from agentenv.network import SlotPool, host_firewall_down, host_firewall_up
+from agentenv.network import (
+    SlotPool,
+    host_firewall_down,
+    host_firewall_up,
+    remove_slots_in,
+)
 from agentenv.orchestrator.templates import guest_link_spec
 from agentenv.storage import create_overlay, remove_tree
 from agentenv.vmm import Machine, MachineSpec, detect_accel
@@ -226,6 +232,8 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
     """Run the selected scenarios; returns the JSON report of ``aenv bench --json``."""
     metrics: Report = {}
     accel_info = detect_accel(accel)
+    for cidr in (BENCH_CIDR, COLD_CIDR, MIGRATE_CIDR):  # left by a benchmark killed earlier
+        remove_slots_in(cidr)
     with tempfile.TemporaryDirectory(prefix="aenv-bench-") as tmpd:
         tmp = Path(tmpd)
         if only is None or only & set(MACHINE_LEVEL):

@@ -11,7 +11,9 @@ from agentenv.network.slots import (
     SlotPool,
     host_firewall_down,
     host_firewall_up,
+    remove_slots_in,
     set_egress,
 )
 
-__all__ = ["Slot", "SlotPool", "egress_cidrs", "host_firewall_down", "host_firewall_up", "set_egress"]
+__all__ = ["Slot", "SlotPool", "egress_cidrs", "host_firewall_down", "host_firewall_up", "remove_slots_in",
+           "set_egress"]

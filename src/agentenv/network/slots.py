@@ -193,3 +193,33 @@ async def host_firewall_up(tag: str, ifprefix: str, cidr: str) -> None:
 
 async def host_firewall_down(tag: str) -> None:
     await run(["nft", "delete", "table", "inet", f"aenv_{tag[:4]}"], check=False)
+
+
+def remove_slots_in(cidr: str) -> list[str]:
+    """Remove host veths and namespaces holding addresses of ``cidr``, whatever node made them.
+
+    A node's own orphans are found by name (``SlotPool.remove_orphans``); this is for a
+    throwaway node (benchmark, tests) about to use a fixed address block that a run killed
+    earlier may have left behind: a stale veth with the same address would shadow the route to
+    a new sandbox. Blocking; call it before the node starts."""
+    import subprocess
+
+    net = ipaddress.ip_network(cidr)
+    removed = []
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, check=False, text=True).stdout
+    for line in out.splitlines():
+        dev, addr = line.split()[1].split("@")[0], line.split()[3]
+        if dev.startswith("ae") and ipaddress.ip_interface(addr).ip in net:
+            subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
+            removed.append(dev)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, check=False, text=True).stdout
+    for line in names.splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if not ns.startswith("aenv-"):
+            continue
+        a = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True, check=False,
+                           text=True).stdout
+        if a.strip() and ipaddress.ip_interface(a.split()[3]).ip in net:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+            removed.append(ns)
+    return removed

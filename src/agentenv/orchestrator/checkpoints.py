@@ -61,7 +61,9 @@ class Timings:
 
 class Checkpointer:
     def __init__(self, repo: SnapshotRepository, *, sock_dir: Path, accel: AccelInfo, tb_size_mb: int,
-                 restore_timeout_s: float, max_memory_layers: int, faults: frozenset[str]) -> None:
+                 restore_timeout_s: float, max_memory_layers: int, faults: frozenset[str],
+                 max_disk_layers: int = 16) -> None:
+        self.max_disk_layers = max_disk_layers
         self.repo = repo
         self.sock_dir = sock_dir
         self.accel = accel
@@ -85,6 +87,7 @@ class Checkpointer:
         """Checkpoint the sandbox; returns the published checkpoint and the disk overlay the
         sandbox writes to from now on (a new one if the disk was sealed)."""
         await asyncio.to_thread(check_writable, self.repo.root)
+        await machine.wait_jobs()  # a disk being streamed is not sealed
         t0 = time.perf_counter()
         await machine.qmp("stop")
         undo = Cleanup(f"checkpoint of {rec.id}")
@@ -102,6 +105,9 @@ class Checkpointer:
                     await machine.switch_disk(new_top)
                     undo.release()  # the VM now writes to new_top: the sealed layer is in use
                     await _rewrite_spec(machine, disk=new_top)
+                    # the run dir's name for the sealed layer is not needed (QEMU has it open,
+                    # the new top names the repository's link): keep one link, the GC's
+                    Path(rec.disk_path).unlink(missing_ok=True)
                     disk_top = str(new_top)
                 disk_layers = await asyncio.to_thread(self._disk_layers, Path(disk_top), seal_disk)
                 await self._crash_point(f"{kind}_after_disk")
@@ -135,6 +141,11 @@ class Checkpointer:
                 await self._crash_point(f"{kind}_after_publish")
                 undo.release()
                 completed = True
+            if seal_disk and len(disk_layers) > self.max_disk_layers:
+                # Bound the chain: stream the layers into the new top, in QEMU, while the guest
+                # runs; the checkpoint just taken keeps its own layers through its manifest.
+                await machine.stream_disk(_base(rec.base_dir).disk)
+                log.info("%s: disk chain of %d layers is being streamed into its top", rec.id, len(disk_layers))
             if kind == "snapshot":  # named snapshots outlive the host's page cache: write them back
                 paths = [self.repo.layer_path(r.name) for r in (*cp.memory, cp.device, *cp.disk)]
                 self._background.add(asyncio.get_running_loop().create_task(asyncio.to_thread(_sync_files, paths)))

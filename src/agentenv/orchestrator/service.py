@@ -62,7 +62,7 @@ class Orchestrator:
         self.checkpoints = Checkpointer(
             self.repo, sock_dir=settings.sock_dir, accel=self.accel, tb_size_mb=settings.tcg_tb_size_mb,
             restore_timeout_s=settings.restore_timeout_s, max_memory_layers=settings.max_memory_layers,
-            faults=settings.faults)
+            faults=settings.faults, max_disk_layers=settings.max_disk_layers)
         self._live: dict[str, LiveSandbox] = {}
         self._forking = 0  # forks in progress (their memory file is not mapped yet)
         self._tasks: list[asyncio.Task[None]] = []

@@ -202,6 +202,29 @@ class Machine:
             await self.qmp("blockdev-del", **{"node-name": node})
             raise
 
+    async def stream_disk(self, base: Path) -> bool:
+        """Start a QEMU ``block-stream`` job that copies every layer between the disk's top and
+        ``base`` into the top, then makes ``base`` the top's backing file: the chain is
+        bounded while the guest keeps running. False if ``base`` is not in the chain."""
+        blocks = await self.qmp("query-block")
+        top = next(b["inserted"]["node-name"] for b in blocks if b.get("device") == "d0")
+        nodes = await self.qmp("query-named-block-nodes")
+        base_node = next((n["node-name"] for n in nodes if n.get("drv") == "qcow2" and n.get("file") == str(base)),
+                         None)
+        if base_node is None:
+            return False
+        await self.qmp("block-stream", **{"job-id": "stream-" + os.urandom(4).hex(), "device": top,
+                                          "base-node": base_node})
+        return True
+
+    async def wait_jobs(self, timeout: float = 600.0) -> None:
+        """Wait until no block job runs (a checkpoint must not seal a disk being streamed)."""
+        deadline = time.monotonic() + timeout
+        while await self.qmp("query-block-jobs"):
+            if time.monotonic() > deadline:
+                raise VmmError(f"block job of {self.spec.name} still running after {timeout:.0f}s")
+            await asyncio.sleep(0.05)
+
     async def disk_top(self) -> Path:
         """The overlay the disk writes to, as QEMU sees it (recovery trusts this over records)."""
         blocks = await self.qmp("query-block")
