@@ -15,12 +15,18 @@ async def create_overlay(path: Path, backing: Path, backing_format: str) -> Path
     """Create ``path`` as a qcow2 overlay of ``backing``. A full disk raises DiskFull and
     leaves no file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    return await _qemu_img_create(path, ["-b", str(backing), "-F", backing_format], None, "a disk overlay")
+
+
+async def _qemu_img_create(path: Path, opts: list[str], size: str | None, what: str) -> Path:
+    """``qemu-img create -f qcow2 <opts> path [size]``; a failure leaves no file behind and a
+    full disk is DiskFull."""
     try:
-        await run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", backing_format, str(path)])
+        await run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(path), *([size] if size else [])])
     except ExternalCommandError as exc:
         path.unlink(missing_ok=True)
         if "No space left" in exc.output:
-            raise DiskFull(f"no space left on {path.parent} to create a disk overlay; free disk space") from exc
+            raise DiskFull(f"no space left on {path.parent} for {what}; free disk space") from exc
         raise StorageError(f"cannot create overlay {path}: {exc.output.strip()}") from exc
     return path
 
@@ -38,15 +44,7 @@ async def remove_tree(path: Path) -> None:
 async def create_overlay_over(path: Path, backing: Path, size_mb: int) -> Path:
     """A new qcow2 over a sealed layer without opening it (``-u``): used in the stop window of
     a snapshot, where the backing file is open in the running QEMU."""
-    try:
-        await run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", str(backing), "-F", "qcow2",
-                   str(path), f"{size_mb}M"])
-    except ExternalCommandError as exc:
-        path.unlink(missing_ok=True)
-        if "No space left" in exc.output:
-            raise DiskFull(f"no space left on {path.parent} for a new disk layer; free disk space") from exc
-        raise StorageError(f"cannot create overlay {path}: {exc.output.strip()}") from exc
-    return path
+    return await _qemu_img_create(path, ["-u", "-b", str(backing), "-F", "qcow2"], f"{size_mb}M", "a new disk layer")
 
 
 def backing_chain(path: Path) -> list[Path]:
