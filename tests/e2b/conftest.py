@@ -67,6 +67,22 @@ def api(e2b_server: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
+_LAUNCHER = """\
+import os, runpy, sys, traceback
+try:
+    runpy.run_path(sys.argv[1], run_name="__main__")
+    code = 0
+except SystemExit as exc:
+    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+except BaseException:
+    traceback.print_exc()
+    code = 1
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+
+
 @dataclass
 class SDK:
     """Runs programs against ``server`` with one installed SDK."""
@@ -84,7 +100,14 @@ class SDK:
     def python(self, version: str, program: str, timeout: float = 300, wrap: tuple[str, ...] = (), **env: str) -> dict:
         path = self.tmp / f"prog_{abs(hash(program))}.py"
         path.write_text(textwrap.dedent(program))
-        return self._run([*wrap, str(self.cache / f"py-{version}" / "bin" / "python"), str(path)], timeout, env)
+        # The program runs under a launcher that leaves with os._exit once it is done: the
+        # SDK's async machinery sometimes aborts CPython's interpreter finalization
+        # ("PyGILState_Release ... finalizing", exit -6) after all its work and output. An
+        # exception in the program still exits 1 with its traceback.
+        launcher = self.tmp / "launch.py"
+        launcher.write_text(_LAUNCHER)
+        return self._run([*wrap, str(self.cache / f"py-{version}" / "bin" / "python"), str(launcher), str(path)],
+                         timeout, env)
 
     def node(self, program: str, timeout: float = 300, **env: str) -> dict:
         project = self.cache / f"js-{JS_VERSION}"
