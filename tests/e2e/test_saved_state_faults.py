@@ -47,6 +47,16 @@ def wait_for_log(node: ServerProcess, text: str, timeout: float = 60) -> None:
     raise AssertionError(f"server never logged {text!r}")
 
 
+def interrupt(node: ServerProcess, api: httpx.Client, route: str, body: dict, point: str) -> None:
+    """Send a request that stops at crash point ``point`` (it never answers) and wait until
+    the server has reached it; the caller then SIGKILLs the server."""
+    try:
+        api.post(route, json=body, timeout=3)
+    except httpx.ReadTimeout:
+        pass
+    wait_for_log(node, f"crash point {point} reached")
+
+
 def busy_sandbox(api: httpx.Client) -> str:
     sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 900}).json()["sandboxID"]
     run(api, sid, COUNTER)
@@ -72,11 +82,7 @@ def test_server_killed_mid_operation_keeps_the_previous_state(node: ServerProces
     with node.client() as api:
         sid = busy_sandbox(api)
         manifests_before = sorted(p.name for p in (node.data_dir / "repository" / "manifests").iterdir())
-        try:
-            api.post(f"/sandboxes/{sid}/{route}", json=body, timeout=3)
-        except httpx.ReadTimeout:
-            pass
-        wait_for_log(node, f"crash point {point} reached")
+        interrupt(node, api, f"/sandboxes/{sid}/{route}", body, point)
     restart(node)  # SIGKILL at the crash point, then a clean start
     with node.client() as api:
         assert state(api, sid) == "running", api.get(f"/sandboxes/{sid}").json()
@@ -100,11 +106,7 @@ def test_snapshot_published_before_a_crash_is_complete_and_usable(node: ServerPr
     restart(node, faults="snapshot_after_publish")
     with node.client() as api:
         sid = busy_sandbox(api)
-        try:
-            api.post(f"/sandboxes/{sid}/snapshots", json={"name": "published"}, timeout=3)
-        except httpx.ReadTimeout:
-            pass
-        wait_for_log(node, "crash point snapshot_after_publish reached")
+        interrupt(node, api, f"/sandboxes/{sid}/snapshots", {"name": "published"}, "snapshot_after_publish")
     restart(node)
     with node.client() as api:
         assert state(api, sid) == "running"

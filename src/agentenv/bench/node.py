@@ -105,3 +105,11 @@ class LocalNode:
 def qemu_pids(marker: str) -> set[int]:
     """Pids of QEMU processes whose command line contains ``marker`` (a data dir or an id)."""
     return set(find_qemu_pids(marker))
+
+
+def pss_kb(pid: int) -> int:
+    """Proportional set size of a process (shared pages split between their users)."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    return 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from agentenv.bench.node import LocalNode, qemu_pids
+from agentenv.bench.node import LocalNode, pss_kb, qemu_pids
 from agentenv.bench.stats import wait_pool
 from agentenv.config import Settings
 from agentenv.envd_client import EnvdClient
@@ -75,6 +75,16 @@ def bench_pause_resume(node: LocalNode, api: httpx.Client, runs: int) -> dict[st
     return out
 
 
+def _timed_snapshot(api: httpx.Client, sid: str) -> float:
+    """``POST /snapshots`` → 201, in ms; the snapshot is deleted again (untimed)."""
+    t0 = time.perf_counter()
+    r = api.post(f"/sandboxes/{sid}/snapshots", json={})
+    r.raise_for_status()
+    dt = _ms(t0)
+    api.delete(f"/snapshots/{r.json()['snapshotID']}")
+    return dt
+
+
 def bench_snapshot_disk(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
     """Named snapshot right after the guest wrote 1 GiB to its disk (O_DIRECT, so the data is
     on the disk, not in guest RAM), against a snapshot with nothing written."""
@@ -82,29 +92,14 @@ def bench_snapshot_disk(node: LocalNode, api: httpx.Client, runs: int) -> dict[s
     sid = _create(api)
     try:
         for i in range(max(1, min(runs, 3))):
-            t0 = time.perf_counter()
-            r = api.post(f"/sandboxes/{sid}/snapshots", json={})
-            r.raise_for_status()
-            out["snapshot_idle_ms"].append(_ms(t0))
-            api.delete(f"/snapshots/{r.json()['snapshotID']}")
+            out["snapshot_idle_ms"].append(_timed_snapshot(api, sid))
             _run(api, sid, f"dd if=/dev/zero of=/home/user/big{i} bs=4M count=256 oflag=direct 2>/dev/null")
             wait_pool(node)
-            t0 = time.perf_counter()
-            r = api.post(f"/sandboxes/{sid}/snapshots", json={})
-            r.raise_for_status()
-            out["snapshot_1gib_disk_ms"].append(_ms(t0))
-            api.delete(f"/snapshots/{r.json()['snapshotID']}")
+            out["snapshot_1gib_disk_ms"].append(_timed_snapshot(api, sid))
             _run(api, sid, f"rm -f /home/user/big{i}")
     finally:
         api.delete(f"/sandboxes/{sid}")
     return out
-
-
-def _pss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def bench_fork(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
@@ -128,7 +123,7 @@ def bench_fork(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[
             time.sleep(2)
             for k in kids:
                 for pid in qemu_pids(k):
-                    out["fork_child_pss_mb"].append(_pss_mb(pid))
+                    out["fork_child_pss_mb"].append(pss_kb(pid) / 1024)
         finally:
             for k in kids:
                 api.delete(f"/sandboxes/{k}")

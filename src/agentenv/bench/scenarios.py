@@ -25,7 +25,7 @@ from agentenv.bench.e2b_sdk import (
     bench_e2b_transfer,
     bench_e2b_tti,
 )
-from agentenv.bench.node import CACHE, LocalNode, qemu_pids
+from agentenv.bench.node import CACHE, LocalNode, pss_kb, qemu_pids
 from agentenv.bench.saved_states import (
     MIGRATE_CIDR,
     bench_fork,
@@ -159,13 +159,6 @@ def bench_exec(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[
         api.delete(f"/sandboxes/{sid}")
 
 
-def _pss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1])
-    return 0
-
-
 def _guest_ram_pss_kb(pid: int) -> int:
     """PSS of the guest-RAM mapping alone (the template's memory file): what the guest itself
     costs, without QEMU's own heap and, under TCG, its translation cache."""
@@ -192,7 +185,7 @@ def bench_idle_pss(node: LocalNode, api: httpx.Client, runs: int, count: int = 8
             time.sleep(3)
             for sid in ids:
                 (pid,) = qemu_pids(sid)
-                samples.append(_pss_kb(pid) / 1024)
+                samples.append(pss_kb(pid) / 1024)
                 guest.append(_guest_ram_pss_kb(pid) / 1024)
         finally:
             for sid in ids:

@@ -109,7 +109,7 @@ class Checkpointer:
                     # the new top names the repository's link): keep one link, the GC's
                     Path(rec.disk_path).unlink(missing_ok=True)
                     disk_top = str(new_top)
-                disk_layers = await asyncio.to_thread(self._disk_layers, Path(disk_top), seal_disk)
+                disk_layers = await asyncio.to_thread(self._disk_layers, Path(disk_top))
                 await self._crash_point(f"{kind}_after_disk")
                 chain = [self.repo.layer_path(r.name) for r in (rec.origin.memory if rec.origin else ())]
                 mem_tmp = self.repo.staging_path("mem")
@@ -177,7 +177,7 @@ class Checkpointer:
                  (time.perf_counter() - t0) * 1e3)
         return out
 
-    def _disk_layers(self, top: Path, sealed_top: bool) -> tuple[LayerRef, ...]:
+    def _disk_layers(self, top: Path) -> tuple[LayerRef, ...]:
         """The repository layers under the disk, oldest first, as the qcow2 headers chain
         them (the truth, whatever the records say)."""
         chain = backing_chain(top)
