@@ -595,12 +595,12 @@ async def test_empty_file_downloads_as_an_empty_200(agent, client) -> None:
 
 
 def test_image_layout_of_the_agent_runs_on_its_own(tmp_path: Path) -> None:
-    from agentenv.images.rootfs import _guest_files
+    from agentenv.images.toolsdrive import guest_files
 
-    files = _guest_files()
+    files = guest_files()
     src = Path(__file__).resolve().parents[2] / "src" / "agentenv" / "guest"
     modules = sorted(p.name for p in (src / "agentlib").glob("*.py"))
-    assert sorted(k.rsplit("/", 1)[1] for k in files if k.startswith("opt/agentenv/agentlib/")) == modules
+    assert sorted(k.rsplit("/", 1)[1] for k in files if k.startswith("agent/agentlib/")) == modules
     for rel, data in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(data)
@@ -608,7 +608,7 @@ def test_image_layout_of_the_agent_runs_on_its_own(tmp_path: Path) -> None:
     # but its own files.
     python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([python, "-u", str(tmp_path / "opt/agentenv/agent.py"), "--help"],
+    out = subprocess.run([python, "-u", str(tmp_path / "agent/agent.py"), "--help"],
                          capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path, check=False)
     assert out.returncode == 0, out.stderr
     assert "envd-compatible" in out.stdout

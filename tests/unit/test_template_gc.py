@@ -26,8 +26,8 @@ def test_stale_template_snapshots_are_removed_unless_kept(tmp_path: Path) -> Non
     root, mem_dir = tmp_path / "templates", tmp_path / "mem"
     mem_dir.mkdir()
     catalog = TemplateCatalog(root)
-    new = Template("base", GuestArtifacts(Path("/k"), Path("/i"), Path("/r-new")))
-    old = Template("base", GuestArtifacts(Path("/k"), Path("/i"), Path("/r-old")))
+    new = Template("base", GuestArtifacts(Path("/k"), Path("/i"), Path("/r-new"), Path("/t")))
+    old = Template("base", GuestArtifacts(Path("/k"), Path("/i"), Path("/r-old"), Path("/t")))
     catalog.put(new)
     builder = SnapshotBuilder(root=root, mem_dir=mem_dir, sock_dir=tmp_path, slots=None,  # type: ignore[arg-type]
                               accel=AccelInfo("tcg", "test"), boot_timeout_s=1, tb_size_mb=32)

@@ -75,7 +75,7 @@ async def _cold_boots(runs: int, tmp: Path, cache: Path, accel_setting: str) -> 
             slot = await slots.acquire()
             await create_overlay(d / "disk.qcow2", arts.rootfs, "raw")
             spec = MachineSpec(name=f"bench-cold{i}", run_dir=d, sock_dir=settings.sock_dir, kernel=arts.kernel,
-                               initramfs=arts.initramfs, disk=d / "disk.qcow2",
+                               initramfs=arts.initramfs, disk=d / "disk.qcow2", tools=arts.tools,
                                mem_path=settings.mem_dir / f"cold{i}.mem", memory_mb=512, vcpus=1,
                                accel=accel, mem_share=True, netns=slot.netns, **guest_link_spec())
             settings.mem_dir.mkdir(parents=True, exist_ok=True)

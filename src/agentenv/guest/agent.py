@@ -57,6 +57,7 @@ from agentlib.common import (
     log,
     lookup_user,
     parse_json_object,
+    set_tools_dir,
 )
 from agentlib.files import FilesService
 from agentlib.fsutil import (
@@ -440,7 +441,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="AgentENV guest agent (envd-compatible)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--tools", default=None, help="the tools drive's mount point (bin/setpriv, ...)")
     args = parser.parse_args()
+    set_tools_dir(args.tools)
     become_subreaper()
     asyncio.run(serve(args.host, args.port))
 

@@ -5,9 +5,9 @@ its inputs change (each artifact's file name carries the hash of its inputs).
 """
 
 from agentenv.images.artifacts import GuestArtifacts, artifacts_present
-from agentenv.images.kernel import ensure_kernel
 from agentenv.images.initramfs import ensure_initramfs
-from agentenv.images.rootfs import ensure_base_rootfs, BASE_PACKAGES
+from agentenv.images.kernel import ensure_kernel
+from agentenv.images.rootfs import BASE_PACKAGES, ensure_base_rootfs
 
 __all__ = [
     "GuestArtifacts",

@@ -10,18 +10,21 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class GuestArtifacts:
-    """Kernel + initramfs + read-only ext4 base of one template."""
+    """Kernel + initramfs + tools drive (agent and its Python) + read-only ext4 base of one
+    template. The first three are shared by every template; the base is the template's image."""
 
     kernel: Path
     initramfs: Path
     rootfs: Path
+    tools: Path
 
     def to_json(self) -> dict[str, str]:
-        return {"kernel": str(self.kernel), "initramfs": str(self.initramfs), "rootfs": str(self.rootfs)}
+        return {"kernel": str(self.kernel), "initramfs": str(self.initramfs), "rootfs": str(self.rootfs),
+                "tools": str(self.tools)}
 
     @classmethod
     def from_json(cls, d: dict[str, str]) -> GuestArtifacts:
-        return cls(Path(d["kernel"]), Path(d["initramfs"]), Path(d["rootfs"]))
+        return cls(Path(d["kernel"]), Path(d["initramfs"]), Path(d["rootfs"]), Path(d.get("tools", "/nonexistent")))
 
 
 def artifacts_present(cache: Path) -> GuestArtifacts | None:
@@ -30,7 +33,7 @@ def artifacts_present(cache: Path) -> GuestArtifacts | None:
     if not manifest.exists():
         return None
     a = GuestArtifacts.from_json(json.loads(manifest.read_text()))
-    if all(p.exists() for p in (a.kernel, a.initramfs, a.rootfs)):
+    if all(p.exists() for p in (a.kernel, a.initramfs, a.rootfs, a.tools)):
         return a
     return None
 

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import TypeVar
 
 from agentenv.errors import ExternalCommandError, ProvisioningError
-from agentenv.images import rootfs
+from agentenv.images import rootfs, toolsdrive
 from agentenv.images.artifacts import GuestArtifacts
 from agentenv.images.initramfs import ensure_initramfs
 from agentenv.images.kernel import Kernel, ensure_kernel
 
 HOST_PACKAGES = (
     "qemu-system-x86", "qemu-utils", "busybox-static", "mmdebstrap", "e2fsprogs", "iproute2", "nftables", "cpio",
+    "patchelf", "skopeo", "umoci",
 )
 
 # Titles of the steps, in order. ``progress`` is called once after each of them with a line
@@ -32,6 +33,7 @@ STEPS = (
     "guest kernel",
     "initramfs",
     "base root filesystem",
+    "tools drive",
     "default.json manifest",
     "stale base images",
 )
@@ -67,9 +69,11 @@ def provision(cache: Path, *, apt: bool = True, progress: Progress | None = None
     initramfs = step(STEPS[2], lambda: _built(cache / "initramfs", "initramfs-*.cpio",
                                               lambda: ensure_initramfs(cache, kernel)))
     base = step(STEPS[3], lambda: _built(cache / "rootfs", "base-*.ext4", lambda: rootfs.ensure_base_rootfs(cache)))
-    artifacts = GuestArtifacts(kernel=kernel.vmlinuz, initramfs=initramfs, rootfs=base)
-    step(STEPS[4], lambda: _manifest(cache, artifacts))
-    step(STEPS[5], lambda: _remove_stale(cache, base))
+    tools = step(STEPS[4], lambda: _built(cache / "tools", "tools-*.ext4", lambda: toolsdrive.ensure_tools_drive(
+        cache, rootfs.debian_tarball(cache))))
+    artifacts = GuestArtifacts(kernel=kernel.vmlinuz, initramfs=initramfs, rootfs=base, tools=tools)
+    step(STEPS[5], lambda: _manifest(cache, artifacts))
+    step(STEPS[6], lambda: _remove_stale(cache, base, tools))
     total = time.monotonic() - start
     report(f"guest images ready in {total:.1f}s" if changed
            else f"everything was already provisioned; nothing to do ({total:.1f}s)")
@@ -151,8 +155,11 @@ def _manifest(cache: Path, artifacts: GuestArtifacts) -> tuple[None, str, bool]:
     return None, f"wrote {manifest}", True
 
 
-def _remove_stale(cache: Path, keep: Path) -> tuple[None, str, bool]:
-    before = set((cache / "rootfs").glob("base-*.ext4"))
+def _remove_stale(cache: Path, keep: Path, tools: Path) -> tuple[None, str, bool]:
+    def images() -> set[Path]:
+        return set((cache / "rootfs").glob("base-*.ext4")) | set((cache / "tools").glob("tools-*.ext4"))
+    before = images()
     rootfs.remove_stale(cache, keep={keep})
-    removed = len(before - set((cache / "rootfs").glob("base-*.ext4")))
+    toolsdrive.remove_stale(cache, keep={tools})
+    removed = len(before - images())
     return None, (f"removed {removed} old image{'s' if removed != 1 else ''}" if removed else "none"), removed > 0

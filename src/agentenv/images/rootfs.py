@@ -1,8 +1,10 @@
 """Template root filesystems: a Debian bookworm tree from mmdebstrap, packed as read-only ext4.
 
-Two cached stages, so that changing the guest agent does not re-download Debian:
-1. ``debian-<hash>.tar``: mmdebstrap output, keyed by suite + package list;
-2. ``base-<hash>.ext4``: that tree + the guest agent + init, keyed by all of their bytes.
+Two cached stages:
+1. ``debian-<hash>.tar``: mmdebstrap output, keyed by suite + package list (the tools drive
+   takes its Python from the same tree, see toolsdrive.py);
+2. ``base-<hash>.ext4``: that tree as a file system. Nothing of ours is in it: the agent runs
+   from the tools drive, as it does for every image.
 The ext4 file is chmod 444: it is the shared backing file of every sandbox overlay.
 """
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 from agentenv.images.artifacts import inputs_hash
@@ -23,20 +24,6 @@ BASE_PACKAGES = (
     "iproute2", "procps", "less", "xz-utils", "attr",
 )
 DISK_SIZE_MB = 4096
-
-
-def _guest_files() -> dict[str, bytes]:
-    """Every file the guest needs, by its path in the image: the agent (``agent.py`` plus all
-    modules of its ``agentlib`` package) and the init. All of them feed the image's hash."""
-    g = resources.files("agentenv.guest")
-    files = {
-        "opt/agentenv/agent.py": g.joinpath("agent.py").read_bytes(),
-        "opt/agentenv/init": g.joinpath("init.sh").read_bytes(),
-    }
-    for module in sorted(g.joinpath("agentlib").iterdir(), key=lambda m: m.name):
-        if module.name.endswith(".py"):
-            files[f"opt/agentenv/agentlib/{module.name}"] = module.read_bytes()
-    return files
 
 
 def _debian_tarball(cache: Path, packages: tuple[str, ...]) -> Path:
@@ -62,11 +49,15 @@ def _debian_tarball(cache: Path, packages: tuple[str, ...]) -> Path:
     return out
 
 
+def debian_tarball(cache: Path, packages: tuple[str, ...] = BASE_PACKAGES) -> Path:
+    """The Debian tree of the default template (also the source of the tools drive's Python)."""
+    return _debian_tarball(cache, packages)
+
+
 def ensure_base_rootfs(cache: Path, packages: tuple[str, ...] = BASE_PACKAGES, size_mb: int = DISK_SIZE_MB) -> Path:
     """The read-only ext4 base image of the default template, built when its inputs change."""
     tarball = _debian_tarball(cache, packages)
-    files = _guest_files()
-    key = inputs_hash(tarball.name, str(size_mb), *(k.encode() + v for k, v in sorted(files.items())))
+    key = inputs_hash(tarball.name, str(size_mb), "no-agent")
     out = cache / "rootfs" / f"base-{key}.ext4"
     if out.exists():
         return out
@@ -74,11 +65,6 @@ def ensure_base_rootfs(cache: Path, packages: tuple[str, ...] = BASE_PACKAGES, s
         tree = Path(tmp) / "tree"
         tree.mkdir()
         run_sync(["tar", "-xf", str(tarball), "-C", str(tree)])
-        for rel, data in files.items():
-            p = tree / rel
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(data)
-            os.chmod(p, 0o755)
         img = Path(tmp) / "base.ext4"
         run_sync(["mkfs.ext4", "-q", "-F", "-L", "aenv-root", "-O", "has_journal",
                   "-E", "lazy_itable_init=1,lazy_journal_init=1", "-d", str(tree), str(img), f"{size_mb}M"])

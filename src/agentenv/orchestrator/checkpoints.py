@@ -216,7 +216,7 @@ class Checkpointer:
                 undo.add("disk", lambda: asyncio.to_thread(disk_top.unlink, True))  # type: ignore[union-attr]
             spec = MachineSpec(
                 name=name, run_dir=run_dir, sock_dir=self.sock_dir, kernel=Path(base.kernel),
-                initramfs=Path(base.initramfs), disk=disk_top, mem_path=mem_file or base.mem_file,
+                initramfs=Path(base.initramfs), disk=disk_top, tools=Path(base.tools), mem_path=mem_file or base.mem_file,
                 memory_mb=base.memory_mb, vcpus=base.vcpus, accel=self.accel, incoming=True,
                 device_state_only=True, netns=slot.netns, tb_size_mb=self.tb_size_mb, **guest_link_spec(),
             )

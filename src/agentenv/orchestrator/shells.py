@@ -90,7 +90,7 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
         undo.add("slot", lambda: slots.release(slot))
         spec = MachineSpec(
             name=sandbox_id, run_dir=run_dir, sock_dir=sock_dir, kernel=Path(snapshot.kernel),
-            initramfs=Path(snapshot.initramfs), disk=run_dir / "disk.qcow2",
+            initramfs=Path(snapshot.initramfs), disk=run_dir / "disk.qcow2", tools=Path(snapshot.tools),
             mem_path=snapshot.mem_file, memory_mb=snapshot.memory_mb, vcpus=snapshot.vcpus,
             accel=accel, mem_share=False, incoming=True, netns=slot.netns, tb_size_mb=tb_size_mb,
             **guest_link_spec(),

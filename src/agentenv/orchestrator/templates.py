@@ -170,7 +170,7 @@ class SnapshotBuilder:
             undo.add("slot", lambda: self.slots.release(slot))
             spec = MachineSpec(
                 name=f"tmpl-{t.name}", run_dir=d / "run", sock_dir=self.sock_dir, kernel=t.artifacts.kernel,
-                initramfs=t.artifacts.initramfs, disk=d / "disk.qcow2", mem_path=mem_file,
+                initramfs=t.artifacts.initramfs, disk=d / "disk.qcow2", tools=t.artifacts.tools, mem_path=mem_file,
                 memory_mb=memory_mb, vcpus=vcpus, accel=self.accel, mem_share=True,
                 netns=slot.netns, tb_size_mb=self.tb_size_mb, guest_aslr=self.guest_aslr, **guest_link_spec(),
             )
@@ -202,7 +202,7 @@ class SnapshotBuilder:
             snap = TemplateSnapshot(
                 template=t.name, dir=d, mem_file=mem_file, memory_mb=memory_mb, vcpus=vcpus,
                 kernel=str(t.artifacts.kernel), initramfs=str(t.artifacts.initramfs),
-                rootfs=str(t.artifacts.rootfs), created_at=time.time(), boot_ms=boot_ms,
+                rootfs=str(t.artifacts.rootfs), tools=str(t.artifacts.tools), created_at=time.time(), boot_ms=boot_ms,
                 snapshot_ms=snapshot_ms,
             )
             snap.save()

@@ -29,6 +29,7 @@ class TemplateSnapshot:
     initramfs: str
     rootfs: str
     created_at: float
+    tools: str = ""  # the tools drive the guest runs its agent from (its version is in the name)
     boot_ms: float = 0.0
     snapshot_ms: float = 0.0
 

@@ -20,6 +20,7 @@ class MachineSpec:
     kernel: Path
     initramfs: Path
     disk: Path  # qcow2 overlay
+    tools: Path  # the read-only tools drive (agent + its Python), shared by every machine
     mem_path: Path
     memory_mb: int
     vcpus: int
@@ -81,7 +82,9 @@ def build_argv(spec: MachineSpec) -> list[str]:
         # host page cache (they survive QEMU and server crashes, not a host crash), and a
         # snapshot's stop window no longer waits for the host to write back what the guest wrote.
         "-drive", f"file={spec.disk},if=none,id=d0,format=qcow2,cache=unsafe,discard=unmap",
-        "-device", "virtio-blk-device,drive=d0",
+        "-device", "virtio-blk-device,drive=d0,serial=aenv-root",
+        "-drive", f"file={spec.tools},if=none,id=t0,format=raw,readonly=on,cache=none,aio=threads",
+        "-device", "virtio-blk-device,drive=t0,serial=aenv-tools",
         "-object", "rng-random,id=rng0,filename=/dev/urandom",
         "-device", "virtio-rng-device,rng=rng0",
         "-qmp", f"unix:{spec.qmp_path},server=on,wait=off",
@@ -115,7 +118,7 @@ def spec_to_json(spec: MachineSpec) -> dict[str, object]:
 
 def spec_from_json(d: dict[str, object]) -> MachineSpec:
     d = dict(d)
-    for k in ("run_dir", "sock_dir", "kernel", "initramfs", "disk", "mem_path"):
+    for k in ("run_dir", "sock_dir", "kernel", "initramfs", "disk", "tools", "mem_path"):
         d[k] = Path(str(d[k]))
     d["accel"] = AccelInfo(**d["accel"])  # type: ignore[arg-type]
     d["kernel_args"] = tuple(d["kernel_args"])  # type: ignore[arg-type]

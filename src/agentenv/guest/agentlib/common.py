@@ -16,7 +16,6 @@ import time
 from typing import Any, Callable, NamedTuple
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-SETPRIV = shutil.which("setpriv", path=DEFAULT_PATH)  # util-linux; None in images without it
 OUTPUT_CHUNK = 32 * 1024        # max payload of one process data event (envd uses 32 KiB)
 FILE_CHUNK = 1024 * 1024        # unit of disk and socket I/O for /files
 MAX_MESSAGE = 16 * 1024 * 1024  # max size of one RPC request message
@@ -105,6 +104,40 @@ def field(msg: dict, camel: str, default: Any = None) -> Any:
 async def blocking(fn: Callable, *args: Any) -> Any:
     """Run blocking filesystem work in the thread pool so the event loop stays responsive."""
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+_tools_dir: str | None = None  # the tools drive (``--tools``), None when run outside a sandbox
+_tool_cache: dict[str, str | None] = {}
+
+
+def set_tools_dir(path: str | None) -> None:
+    global _tools_dir
+    _tools_dir = path
+    _tool_cache.clear()
+
+
+def tool(name: str) -> str | None:
+    """A helper program the agent runs (setpriv, setsid, a fallback shell): from the tools
+    drive when there is one, so it works whatever the image has, else from the usual PATH."""
+    if name not in _tool_cache:
+        found = None
+        if _tools_dir and os.access(os.path.join(_tools_dir, "bin", name), os.X_OK):
+            found = os.path.join(_tools_dir, "bin", name)
+        _tool_cache[name] = found or shutil.which(name, path=DEFAULT_PATH)
+    return _tool_cache[name]
+
+
+def fallback_shell(cmd: str, path: str) -> str | None:
+    """What to run for ``cmd`` when it is bash and the image has none (alpine, busybox,
+    distroless): SDKs always ask for ``/bin/bash -l -c``. The image's ``/bin/sh`` if it has
+    one, else the tools drive's busybox shell. None when ``cmd`` is not bash or bash exists."""
+    if os.path.basename(cmd) != "bash" or (shutil.which(cmd, path=path) if "/" not in cmd else os.path.exists(cmd)):
+        return None
+    if os.path.exists("/bin/sh"):
+        return "/bin/sh"
+    if _tools_dir and os.path.exists(os.path.join(_tools_dir, "bin", "busybox")):
+        return os.path.join(_tools_dir, "bin", "sh")
+    return None
 
 
 class User(NamedTuple):

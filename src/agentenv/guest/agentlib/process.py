@@ -28,12 +28,13 @@ from .common import (
     EXIT_GRACE,
     FINISHED_TTL,
     OUTPUT_CHUNK,
-    SETPRIV,
     SIGNALS,
     CallContext,
     ConnectError,
     b64decode,
+    fallback_shell,
     log,
+    tool,
 )
 from .fsutil import chown_to
 
@@ -228,16 +229,17 @@ class ProcessManager:
         env = {"PATH": os.environ.get("PATH", DEFAULT_PATH), "HOME": user.home, "USER": user.name,
                "LOGNAME": user.name, **self.agent.env_vars, **{str(k): str(v) for k, v in envs.items()}}
         kwargs: dict[str, Any] = {"cwd": cwd, "env": env, "bufsize": 0, "close_fds": True}
+        cmd = fallback_shell(cmd, env["PATH"]) or cmd
         argv_prefix: list[str] = []
         if (user.uid, user.gid, set(user.groups)) == (os.geteuid(), os.getegid(), set(os.getgroups())):
             pass  # no switch needed; leaving user= unset also lets Popen use the much faster vfork
-        elif os.geteuid() == 0 and SETPRIV:
+        elif os.geteuid() == 0 and (setpriv := tool("setpriv")):
             # setpriv switches user in the child's exec chain, so Popen can still vfork: a full
             # fork of this (Python) process is several times slower, most of all under TCG.
             if "/" not in cmd and shutil.which(cmd, path=env["PATH"]) is None:
                 raise ConnectError("internal", f"error starting process '{cmd}': no such executable")
             groups = ",".join(str(g) for g in user.groups) or str(user.gid)
-            argv_prefix = [SETPRIV, f"--reuid={user.uid}", f"--regid={user.gid}", f"--groups={groups}", "--"]
+            argv_prefix = [setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", f"--groups={groups}", "--"]
         elif os.geteuid() == 0:
             kwargs.update(user=user.uid, group=user.gid, extra_groups=user.groups)
         else:
@@ -250,7 +252,7 @@ class ProcessManager:
                 set_winsize(master, size.get("cols", 80), size.get("rows", 24))
                 chown_to(slave, user)
                 # `setsid --ctty` makes the pty the controlling terminal without a preexec_fn.
-                if (setsid := shutil.which("setsid")) is not None:
+                if (setsid := tool("setsid")) is not None:
                     argv = [setsid, "--ctty", *argv]
                 else:
                     kwargs["start_new_session"] = True
