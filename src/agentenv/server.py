@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import uvicorn
 
@@ -42,11 +43,16 @@ def register_default_template(settings: Settings) -> None:
     catalog = TemplateCatalog(settings.data_dir / "templates")
     try:
         current = catalog.get(DEFAULT_TEMPLATE)
-        if current.artifacts == artifacts:
-            return
+        if current.artifacts != artifacts:
+            catalog.put(Template(name=DEFAULT_TEMPLATE, artifacts=artifacts))
     except Exception:  # noqa: BLE001 — absent or unreadable: (re)write it
-        pass
-    catalog.put(Template(name=DEFAULT_TEMPLATE, artifacts=artifacts))
+        catalog.put(Template(name=DEFAULT_TEMPLATE, artifacts=artifacts))
+    # Templates from images share the kernel, initramfs and tools drive: follow `aenv setup`.
+    for t in catalog.list():
+        if t.image is not None:
+            shared = replace(artifacts, rootfs=t.artifacts.rootfs)
+            if t.artifacts != shared:
+                catalog.put(replace(t, artifacts=shared))
 
 
 def build_app(settings: Settings):  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ from fastapi import Depends, FastAPI, Request
 
 from agentenv import __version__
 from agentenv.api import errors
-from agentenv.api.routes import data, lifecycle, sandboxes, system
+from agentenv.api.routes import data, images, lifecycle, sandboxes, system
 from agentenv.orchestrator import Orchestrator
 from agentenv.proxy import ProxyMiddleware, SandboxProxy
 
@@ -48,6 +48,7 @@ def create_app(orch: Orchestrator, api_key: str) -> FastAPI:
     app.include_router(sandboxes.router, dependencies=[Depends(require_key)])
     app.include_router(data.router, dependencies=[Depends(require_key)])
     app.include_router(lifecycle.router, dependencies=[Depends(require_key)])
+    app.include_router(images.router, dependencies=[Depends(require_key)])
     return app
 
 

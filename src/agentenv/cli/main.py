@@ -19,6 +19,7 @@ from agentenv.cli import (
     doctor,
     execute,
     files,
+    image,
     sandbox,
     saved,
     server,
@@ -101,6 +102,7 @@ app.add_typer(snapshot.app, name="snapshot")
 app.command("fork")(saved.fork)
 # Templates and measurements
 app.add_typer(template.app, name="template")
+app.command("pull")(image.pull)
 app.command("bench")(bench.bench)
 
 

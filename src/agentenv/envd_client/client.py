@@ -279,7 +279,8 @@ class EnvdClient:
             delay = min(delay * 2, 0.2)
 
     async def init(self, *, sandbox_id: str, template_id: str, env_vars: dict[str, str],
-                   access_token: str | None, hostname: str | None = None) -> None:
+                   access_token: str | None, hostname: str | None = None, default_user: str | None = None,
+                   default_workdir: str | None = None) -> None:
         """``POST /init``: identity, env vars, access token, current clock and fresh entropy.
         Call after boot and after every snapshot restore. Later calls use ``access_token``."""
         body: dict[str, Any] = {
@@ -289,6 +290,10 @@ class EnvdClient:
         }
         if hostname:
             body["hostname"] = hostname
+        if default_user:
+            body["defaultUser"] = default_user
+        if default_workdir:
+            body["defaultWorkdir"] = default_workdir
         resp = await self._request("POST", "/init", json=body, headers=self._headers())
         if not 200 <= resp.status_code < 300:
             raise _error_from_body(resp.status_code, resp.content)

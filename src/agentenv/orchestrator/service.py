@@ -23,6 +23,7 @@ from agentenv.errors import (
     SandboxStateError,
     SnapshotNotFound,
 )
+from agentenv.images.oci import RegistrySettings
 from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.lifecycle import ACTIVE, State, allowed
@@ -67,6 +68,8 @@ class Orchestrator:
         self._forking = 0  # forks in progress (their memory file is not mapped yet)
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
+        self.registry = RegistrySettings.from_env()
+        self._image_locks: dict[str, asyncio.Lock] = {}
 
     # -- start / stop ---------------------------------------------------------------------
 
@@ -345,6 +348,17 @@ class Orchestrator:
         return self.envd(sandbox_id).stream(cmd, **kw)  # type: ignore[arg-type]
 
     # -- saved states: pause, resume, snapshot, fork (orchestrator/pausing.py, forking.py) --
+
+    async def pull(self, image: str, *, name: str | None = None, username: str | None = None,
+                   password: str | None = None, disk_mb: int | None = None) -> Template:
+        """Make (or update) a template from an OCI image; see orchestrator/pulling.py."""
+        from agentenv.orchestrator.pulling import pull
+
+        return await pull(self, image, name=name, username=username, password=password, disk_mb=disk_mb)
+
+    def image_lock(self, key: str) -> asyncio.Lock:
+        """One conversion at a time per output file (two pulls of one image wait for each other)."""
+        return self._image_locks.setdefault(key, asyncio.Lock())
 
     async def pause(self, sandbox_id: str) -> SandboxRecord:
         from agentenv.orchestrator.pausing import pause

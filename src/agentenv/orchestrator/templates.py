@@ -14,8 +14,9 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from agentenv.envd_client import EnvdClient, EnvdUnavailable
 from agentenv.errors import GuestError, InvalidRequest, TemplateNotFound
@@ -23,7 +24,12 @@ from agentenv.images import GuestArtifacts
 from agentenv.network import SlotPool
 from agentenv.network.rules import GUEST_ADDR, GUEST_GW, GUEST_MAC
 from agentenv.orchestrator.cleanup import Cleanup
-from agentenv.storage import TemplateSnapshot, create_overlay, remove_tree, seal_readonly
+from agentenv.storage import (
+    TemplateSnapshot,
+    create_overlay,
+    remove_tree,
+    seal_readonly,
+)
 from agentenv.vmm import AccelInfo, Machine, MachineSpec
 
 log = logging.getLogger(__name__)
@@ -31,20 +37,32 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Template:
+    """A bootable template. ``image``: where an OCI template came from (reference, manifest
+    digest, the image's config); ``env``/``user``/``workdir``: the defaults every sandbox of it
+    starts with (given to the agent before the template snapshot, so the snapshot carries them)."""
+
     name: str
     artifacts: GuestArtifacts
     memory_mb: int = 512
     vcpus: int = 1
     disk_mb: int = 4096
+    image: dict[str, Any] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    user: str | None = None
+    workdir: str | None = None
+    created_at: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return {"name": self.name, "artifacts": self.artifacts.to_json(), "memory_mb": self.memory_mb,
-                "vcpus": self.vcpus, "disk_mb": self.disk_mb}
+                "vcpus": self.vcpus, "disk_mb": self.disk_mb, "image": self.image, "env": self.env,
+                "user": self.user, "workdir": self.workdir, "created_at": self.created_at}
 
     @classmethod
-    def from_json(cls, d: dict[str, object]) -> Template:
-        return cls(name=str(d["name"]), artifacts=GuestArtifacts.from_json(d["artifacts"]),  # type: ignore[arg-type]
-                   memory_mb=int(d["memory_mb"]), vcpus=int(d["vcpus"]), disk_mb=int(d["disk_mb"]))  # type: ignore[call-overload]
+    def from_json(cls, d: dict[str, Any]) -> Template:
+        return cls(name=str(d["name"]), artifacts=GuestArtifacts.from_json(d["artifacts"]),
+                   memory_mb=int(d["memory_mb"]), vcpus=int(d["vcpus"]), disk_mb=int(d["disk_mb"]),
+                   image=d.get("image"), env=dict(d.get("env") or {}), user=d.get("user"),
+                   workdir=d.get("workdir"), created_at=float(d.get("created_at") or 0.0))
 
 
 class TemplateCatalog:
@@ -69,6 +87,11 @@ class TemplateCatalog:
 
     def exists(self, name: str) -> bool:
         return (self.root / name / "template.json").exists()
+
+    def delete(self, name: str) -> None:
+        """Forget the definition; its snapshots are removed by ``SnapshotBuilder.remove_stale``
+        once nothing uses them."""
+        (self.root / name / "template.json").unlink(missing_ok=True)
 
     def list(self) -> list[Template]:
         out = []
@@ -104,7 +127,7 @@ class SnapshotBuilder:
     def snapshot_dir(self, t: Template, vcpus: int, memory_mb: int) -> Path:
         """Named after everything the boot depends on, so a change makes a new snapshot."""
         key = hashlib.sha256(json.dumps([
-            t.artifacts.to_json(), self.accel.accel, self.guest_aslr,
+            t.artifacts.to_json(), self.accel.accel, self.guest_aslr, t.env, t.user, t.workdir,
         ]).encode()).hexdigest()[:12]
         return self.root / t.name / "snapshots" / f"{vcpus}cpu-{memory_mb}M-{key}"
 
@@ -189,7 +212,8 @@ class SnapshotBuilder:
                 # Run what every sandbox runs first (its /init, a command as root and as the
                 # default user) before the snapshot, so the pages this touches (binaries, page
                 # cache, agent heap) are in the shared template memory, not copied per sandbox.
-                await envd.init(sandbox_id="template", template_id=t.name, env_vars={}, access_token=None)
+                await envd.init(sandbox_id="template", template_id=t.name, env_vars=t.env, access_token=None,
+                                default_user=t.user, default_workdir=t.workdir)
                 await envd.run(["true"])
                 await envd.run(["true"], user="root")
             t1 = time.monotonic()

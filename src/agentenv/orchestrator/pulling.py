@@ -1,0 +1,73 @@
+"""Templates from OCI images: pull (``images.oci``), convert to a read-only ext4 base, register.
+
+The template shares the kernel, initramfs and tools drive of the default template; only its
+base image differs. Its first sandbox cold-boots it once per shape (as for any template) and
+every later one is a restore. The image's config (Env, WorkingDir, User, Entrypoint, Cmd) is
+recorded with the template; Env, WorkingDir and User become the defaults of its sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from typing import TYPE_CHECKING
+
+from agentenv.errors import InvalidRequest
+from agentenv.images import GuestArtifacts, oci
+from agentenv.orchestrator.templates import Template
+
+if TYPE_CHECKING:
+    from agentenv.orchestrator.service import Orchestrator
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+RESERVED = {"base"}  # the default template is `aenv setup`'s, not a pull's
+DEFAULT_DISK_MB = 4096
+MAX_DISK_MB = 65536
+
+
+def default_name(ref: oci.ImageRef) -> str:
+    """``docker.io/library/ubuntu:22.04`` → ``ubuntu``: the last path component."""
+    return ref.repository.rsplit("/", 1)[-1].lower()
+
+
+def _default_user(config: oci.ImageConfig) -> str:
+    """E2B's default user is ``user`` (the conversion adds it); an image that names a non-root
+    user of its own keeps it."""
+    user = (config.user or "").split(":", 1)[0]
+    return user if user and user not in ("root", "0") else "user"
+
+
+async def pull(orch: Orchestrator, image: str, *, name: str | None = None, username: str | None = None,
+               password: str | None = None, disk_mb: int | None = None) -> Template:
+    ref = oci.parse_reference(image, default_registry=orch.registry.default_registry)
+    name = name or default_name(ref)
+    if not TEMPLATE_NAME.fullmatch(name):
+        raise InvalidRequest(f"template name '{name}' is invalid: use 1-64 lowercase letters, digits, '.', '_' "
+                             "or '-', starting with a letter or digit (pass one with --name)")
+    if name in RESERVED:
+        raise InvalidRequest(f"template name '{name}' is reserved for the default template; pass another name")
+    size = DEFAULT_DISK_MB if disk_mb is None else disk_mb
+    if not 512 <= size <= MAX_DISK_MB:
+        raise InvalidRequest(f"diskSizeMB must be between 512 and {MAX_DISK_MB}, got {size}")
+    base = orch.catalog.get("base").artifacts
+    root = orch.settings.data_dir / "images"
+    t0 = time.monotonic()
+    pulled = await oci.pull(ref, root, orch.registry, username=username, password=password)
+    out = root / "rootfs" / oci.ext4_name(pulled, size)
+    async with orch.image_lock(str(out)):
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            await oci.to_ext4(pulled, out, size_mb=size)
+    cfg = pulled.config
+    template = Template(
+        name=name, artifacts=GuestArtifacts(kernel=base.kernel, initramfs=base.initramfs, rootfs=out, tools=base.tools),
+        disk_mb=size, image={"ref": str(pulled.ref), "digest": pulled.digest, "config": cfg.to_json()},
+        env=dict(cfg.env), user=_default_user(cfg), workdir=cfg.workdir or None, created_at=time.time(),
+    )
+    await asyncio.to_thread(orch.catalog.put, template)
+    log.info("template %s from %s (%s) in %.1f s", name, pulled.ref, pulled.digest[:19], time.monotonic() - t0)
+    return template
