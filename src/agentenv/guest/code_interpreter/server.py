@@ -32,6 +32,7 @@ import codecs
 import datetime
 import errno
 import fcntl
+import http.client
 import http.server
 import json
 import os
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
+import urllib.parse
 import uuid
 
 KERNEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel.py")
@@ -279,17 +280,51 @@ class Registry:
 REGISTRY = Registry()
 
 
-def fetch_sandbox_envs(access_token: str | None) -> dict[str, str]:
-    """Sandbox-wide env vars from envd (set at sandbox creation); {} when envd cannot tell."""
-    req = urllib.request.Request(f"{ENVD_URL}/envs")
-    if access_token:
-        req.add_header("X-Access-Token", access_token)
-    try:
-        with urllib.request.urlopen(req, timeout=1.0) as resp:
-            data = json.loads(resp.read() or b"{}")
-        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-    except Exception:
+class EnvdEnvs:
+    """Sandbox-wide env vars from envd (``GET /envs``, set at sandbox creation) over a kept-alive
+    connection. Failures give {}; after a refused connection envd is not asked again for a second
+    (no envd, e.g. on a test host)."""
+
+    def __init__(self, url: str) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        self.host, self.port = parsed.hostname or "localhost", parsed.port or 80
+        self.lock = threading.Lock()
+        self.conn: http.client.HTTPConnection | None = None
+        self.refused_until = 0.0
+
+    def get(self, access_token: str | None) -> dict[str, str]:
+        if time.monotonic() < self.refused_until:
+            return {}
+        headers = {"X-Access-Token": access_token} if access_token else {}
+        with self.lock:
+            for attempt in (0, 1):  # a kept-alive connection may have been closed by envd
+                try:
+                    if self.conn is None:
+                        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
+                    self.conn.request("GET", "/envs", headers=headers)
+                    resp = self.conn.getresponse()
+                    body = resp.read()
+                    if resp.status != 200:
+                        return {}
+                    data = json.loads(body or b"{}")
+                    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+                except ConnectionRefusedError:
+                    self._drop()
+                    self.refused_until = time.monotonic() + 1.0
+                    return {}
+                except (OSError, http.client.HTTPException, ValueError):
+                    self._drop()
+                    if attempt:
+                        return {}
         return {}
+
+    def _drop(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+ENVD = EnvdEnvs(ENVD_URL)
 
 
 class ClientGone(Exception):
@@ -434,7 +469,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self._text(400, f"Unsupported language {language!r}: this sandbox runs only 'python'")
                 return
             ctx = REGISTRY.default(lang)
-        env = {**fetch_sandbox_envs(self.headers.get("X-Access-Token")),
+        env = {**ENVD.get(self.headers.get("X-Access-Token")),
                **{str(k): str(v) for k, v in env_vars.items()}}
 
         self.send_response(200)
@@ -445,35 +480,42 @@ class Handler(http.server.BaseHTTPRequestHandler):
         try:
             run_execution(ctx, code, env, stream)
         finally:
-            if stream.alive:
-                try:
-                    self.wfile.write(b"0\r\n\r\n")
-                except OSError:
-                    stream.alive = False
-            if not stream.alive:
+            if not stream.flush(final=True):
                 self.close_connection = True
 
 
 class Stream:
-    """The response side of one /execute: chunked NDJSON writes plus hang-up detection."""
+    """The response side of one /execute: chunked NDJSON writes plus hang-up detection.
+
+    Lines are queued and written together by ``flush()``, which the execution loop calls before
+    it waits: what is ready at once (count, result, end) leaves in one write, anything produced
+    later leaves as soon as the loop would block."""
 
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.sock: socket.socket = handler.connection
         self.alive = True
         self.last_write = time.monotonic()
+        self.pending: list[bytes] = []
 
     def send(self, obj: dict) -> bool:
         if not self.alive:
             return False
         line = json.dumps(obj).encode() + b"\n"
-        try:
-            self.handler.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-        except OSError:
-            self.alive = False
-            return False
+        self.pending.append(b"%x\r\n%s\r\n" % (len(line), line))
         self.last_write = time.monotonic()
         return True
+
+    def flush(self, final: bool = False) -> bool:
+        if final:
+            self.pending.append(b"0\r\n\r\n")
+        if self.alive and self.pending:
+            try:
+                self.handler.wfile.write(b"".join(self.pending))
+            except OSError:
+                self.alive = False
+        self.pending.clear()
+        return self.alive
 
     def check_hangup(self) -> bool:
         """True if the client closed its side (an HTTP/1.1 client sends nothing while it waits)."""
@@ -493,7 +535,8 @@ class Stream:
 def run_execution(ctx: Context, code: str, env: dict[str, str], stream: Stream) -> None:
     # Wait for the context's previous execution, keeping the client informed.
     while not ctx.exec_lock.acquire(timeout=KEEPALIVE_S):
-        if not stream.send({"type": "keepalive"}):
+        stream.send({"type": "keepalive"})
+        if not stream.flush():
             return
     try:
         if ctx.deleted:
@@ -566,6 +609,7 @@ def _run_on_kernel(ctx: Context, kernel: Kernel, code: str, env: dict[str, str],
                     timeout = min(timeout, buf.partial_since + PARTIAL_LINE_S - now)
             if interrupted_at is not None:
                 timeout = min(timeout, interrupted_at + INTERRUPT_GRACE_S - now)
+            stream.flush()
             events = sel.select(max(timeout, 0.0))
             for key, _ in events:
                 fd = key.fd
