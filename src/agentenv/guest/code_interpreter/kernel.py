@@ -298,6 +298,7 @@ def main() -> None:
     del sys.path[0]  # the kernel's own directory is not the user's
     sys.path.insert(0, "")
     kernel = Kernel()
+    _send({"type": "ready"})  # id 0: the server waits for it only at start-up
     for line in commands:
         try:
             cmd = json.loads(line)

@@ -36,6 +36,7 @@ import http.client
 import http.server
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -60,7 +61,7 @@ def log(msg: str) -> None:
 
 
 def now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 def default_cwd() -> str:
@@ -141,6 +142,10 @@ class Kernel:
                 os.close(fd)
             except OSError:
                 pass
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the worker has started (its "ready" line is readable; drained later)."""
+        return bool(select.select([self.msg_r], [], [], timeout)[0])
 
     def drain_stale(self) -> None:
         """Discard output left over from earlier cells (e.g. background threads)."""
@@ -340,7 +345,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         if os.environ.get("AENV_CI_ACCESS_LOG"):
             log(format % args)
 
@@ -377,7 +382,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     # --- routes -------------------------------------------------------------------------------
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         parts = self._path()
         if parts == ["health"]:
             self._reply(200, "OK")
@@ -386,7 +391,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             self._text(404, f"Not found: GET {self.path}")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         parts = self._path()
         if parts == ["execute"]:
             self._execute()
@@ -405,7 +410,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._drain_body()
             self._text(404, f"Not found: POST {self.path}")
 
-    def do_DELETE(self) -> None:  # noqa: N802
+    def do_DELETE(self) -> None:
         parts = self._path()
         self._drain_body()
         if len(parts) == 2 and parts[0] == "contexts":
@@ -690,7 +695,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=49999)
     args = parser.parse_args(argv)
     started = time.monotonic()
-    REGISTRY.default("python")  # warm: the first run_code does not wait for a kernel to start
+    # Warm: /health answers only once the default kernel runs, so a template snapshot taken
+    # after the ready check holds a started kernel and the first run_code does not wait for one.
+    if not REGISTRY.default("python").kernel.wait_ready(30):
+        log("the default kernel did not start within 30 s; serving anyway")
     server = Server((args.host, args.port), Handler)
 
     def stop(_signum: int, _frame: object) -> None:
