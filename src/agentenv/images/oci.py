@@ -290,7 +290,7 @@ async def to_ext4(image: PulledImage, out: Path, *, size_mb: int, add_user: bool
         if math.ceil(used * HEADROOM) > size_mb:
             raise ImageTooLarge(f"image {image.ref} unpacks to {used:.0f} MiB ({math.ceil(used * HEADROOM)} MiB "
                                 f"with 10% headroom), more than the {size_mb} MiB disk; ask for a larger disk")
-        await asyncio.to_thread(prepare_tree, tree, with_user=add_user)
+        await asyncio.to_thread(prepare_tree, tree, with_user=add_user, workdir=image.config.workdir)
         try:
             await run(["mkfs.ext4", "-q", "-F", "-L", "aenv-root", "-O", "has_journal",
                        "-E", "lazy_itable_init=1,lazy_journal_init=1", "-d", str(tree), str(partial), f"{size_mb}M"])

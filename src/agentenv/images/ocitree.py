@@ -126,8 +126,9 @@ def add_user(root: Path) -> int | None:
     return uid
 
 
-def prepare_tree(root: Path, *, with_user: bool = True) -> None:
-    """Everything the guest needs from a tree: mount points, regular hosts/resolv.conf, ``user``."""
+def prepare_tree(root: Path, *, with_user: bool = True, workdir: str | None = None) -> None:
+    """Everything the guest needs from a tree: mount points, regular hosts/resolv.conf, ``user``,
+    and the image's working directory (container runtimes create it when it is missing)."""
     for rel, mode in MOUNT_POINTS:
         _ensure_dir(root, rel, mode)
     etc = _ensure_dir(root, "etc", 0o755)
@@ -136,3 +137,5 @@ def prepare_tree(root: Path, *, with_user: bool = True) -> None:
     _ensure_regular(root, f"{rel_etc}/resolv.conf", b"")
     if with_user:
         add_user(root)
+    if workdir and workdir.startswith("/"):
+        _ensure_dir(root, workdir, 0o755)
