@@ -3,10 +3,14 @@
     AgentenvError
     ├── RequestError              the caller asked for something wrong (4xx)
     │   ├── InvalidRequest        400: a field is malformed or out of range
+    │   │   └── ImageTooLarge     400: an OCI image does not fit the requested disk size
     │   ├── NotFound              404: sandbox or template unknown
     │   │   ├── SandboxNotFound
     │   │   ├── TemplateNotFound
-    │   │   └── SnapshotNotFound
+    │   │   ├── SnapshotNotFound
+    │   │   └── ImageNotFound     404: the registry has no such image or tag
+    │   ├── RegistryAuthFailed    401: the registry refused the (missing or given) credentials
+    │   ├── ImageCorrupt          422: a blob fails its digest, a layer is truncated or corrupt
     │   ├── SandboxStateError     409: the sandbox is not in a state that allows this
     │   └── CapacityExhausted     429/503: the node is full
     └── PlatformError             the platform failed (5xx, never silent)
@@ -15,6 +19,7 @@
         ├── VmmError              QEMU failed to start, crashed, or QMP failed
         ├── NetworkError          namespace / tap / nft setup failed
         ├── GuestError            the guest agent did not answer or answered wrongly
+        ├── RegistryUnreachable   504: a registry did not answer within the bound
         └── StorageError          disk full, missing or corrupt files
             ├── DiskFull          507: no space left
             └── SnapshotUnusable  422: a snapshot's layer is missing or fails its checksum
@@ -68,6 +73,37 @@ class SnapshotNotFound(NotFound):
         self.snapshot_id = snapshot_id
 
 
+class ImageNotFound(NotFound):
+    code = "image_not_found"
+
+    def __init__(self, reference: str, detail: str = "") -> None:
+        super().__init__(f"image '{reference}' not found{': ' + detail if detail else ''}; "
+                         "check the repository name and the tag or digest")
+        self.reference = reference
+
+
+class ImageTooLarge(InvalidRequest):
+    code = "image_too_large"
+
+
+class ImageCorrupt(RequestError):
+    """An image's content does not match its digests. Retrying the same bytes cannot help; a
+    corrupt cached copy is deleted so that the next pull fetches it again."""
+
+    code = "image_corrupt"
+
+
+class RegistryAuthFailed(RequestError):
+    code = "registry_auth"
+
+    def __init__(self, registry: str, *, credentials_given: bool, detail: str = "") -> None:
+        given = ("the credentials given were rejected" if credentials_given
+                 else "no credentials were given; the image may be private (or not exist)")
+        super().__init__(f"registry {registry} refused access: {given}{' (' + detail + ')' if detail else ''}")
+        self.registry = registry
+        self.credentials_given = credentials_given
+
+
 class SandboxStateError(RequestError):
     code = "conflict"
 
@@ -114,6 +150,16 @@ class NetworkError(PlatformError):
 
 class GuestError(PlatformError):
     code = "guest"
+
+
+class RegistryUnreachable(PlatformError):
+    code = "registry_unreachable"
+
+    def __init__(self, registry: str, timeout_s: float, detail: str = "") -> None:
+        super().__init__(f"registry {registry} unreachable or too slow (bound {timeout_s:g} s)"
+                         f"{': ' + detail if detail else ''}")
+        self.registry = registry
+        self.timeout_s = timeout_s
 
 
 class StorageError(PlatformError):

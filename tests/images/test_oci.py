@@ -1,0 +1,392 @@
+"""OCI pull + ext4 conversion against real registries on loopback (docker-registry 2.8), real
+skopeo / umoci / mkfs.ext4, inspected with debugfs. No mocks, no network beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from agentenv.errors import (
+    ImageCorrupt, ImageNotFound, ImageTooLarge, InvalidRequest, RegistryAuthFailed, RegistryUnreachable,
+)
+from agentenv.images.oci import ImageConfig, PulledImage, ext4_name, layout_dir, pull, to_ext4
+from agentenv.images.registry import ImageRef, RegistrySettings, parse_reference
+from tests.framework.registry import (
+    BlackHole, ClosedPort, LocalRegistry, build_busybox_image, build_debian_image, debian_tarball,
+)
+
+TOOLS = ("skopeo", "umoci", "mkfs.ext4", "debugfs", "htpasswd", "/usr/bin/docker-registry")
+pytestmark = pytest.mark.skipif(any(shutil.which(t) is None for t in TOOLS), reason=f"needs {TOOLS}")
+
+HEX64 = re.compile(r"[0-9a-f]{64}")
+TIMINGS: dict[str, float] = {}
+
+
+# ---------------------------------------------------------------- helpers / fixtures
+
+def _tmp_leftovers() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("aenv-registry-*")} | \
+           {p.name for p in Path(tempfile.gettempdir()).glob("aenv-img-*")}
+
+
+def _procs_mentioning(text: str) -> list[str]:
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and int(p.name) != os.getpid():
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd and ("skopeo" in cmd or "umoci" in cmd or "mkfs" in cmd or "docker-registry" in cmd):
+                found.append(cmd)
+    return found
+
+
+def assert_clean(cache: Path) -> None:
+    """Only published, digest-named layouts in the cache; no helper process still running."""
+    root = cache / "oci"
+    names = sorted(p.name for p in root.iterdir()) if root.exists() else []
+    assert all(HEX64.fullmatch(n) for n in names), f"partial or temp entries left in {root}: {names}"
+    assert not _procs_mentioning(str(cache)), _procs_mentioning(str(cache))
+
+
+def settings_for(*hosts: str, timeout_s: float = 30.0, mirrors: dict[str, str] | None = None) -> RegistrySettings:
+    return RegistrySettings(mirrors=mirrors or {}, insecure=frozenset(hosts), timeout_s=timeout_s)
+
+
+def debugfs(image: Path, request: str) -> str:
+    res = subprocess.run(["debugfs", "-R", request, str(image)], capture_output=True, text=True)
+    return res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftovers():
+    before = _tmp_leftovers()
+    yield
+    assert _tmp_leftovers() <= before, f"temp dirs left: {_tmp_leftovers() - before}"
+
+
+@pytest.fixture(scope="module")
+def registry():
+    with LocalRegistry() as reg:
+        yield reg
+    assert reg.proc is not None and reg.proc.poll() is not None, "docker-registry still running"
+    assert not reg.dir.exists()
+
+
+@pytest.fixture(scope="module")
+def busybox(registry):
+    return build_busybox_image(registry, "busybox")
+
+
+@pytest.fixture(scope="module")
+def auth_registry():
+    with LocalRegistry(auth=("alice", "s3cret-pw")) as reg:
+        yield reg
+    assert reg.proc is not None and reg.proc.poll() is not None
+
+
+@pytest.fixture
+def cache(tmp_path):
+    c = tmp_path / "cache"
+    yield c
+    assert_clean(c)
+
+
+# ---------------------------------------------------------------- references and settings
+
+@pytest.mark.parametrize("ref,expected", [
+    ("ubuntu", "docker.io/library/ubuntu:latest"),
+    ("ubuntu:22.04", "docker.io/library/ubuntu:22.04"),
+    ("user/img", "docker.io/user/img:latest"),
+    ("docker.io/library/ubuntu", "docker.io/library/ubuntu:latest"),
+    ("index.docker.io/library/ubuntu:1", "docker.io/library/ubuntu:1"),
+    ("localhost:5000/x:1", "localhost:5000/x:1"),
+    ("localhost/x", "localhost/x:latest"),
+    ("127.0.0.1:5000/a/b/c:v1.2-rc_3", "127.0.0.1:5000/a/b/c:v1.2-rc_3"),
+    ("reg.example.com/a/b@sha256:" + "a" * 64, "reg.example.com/a/b@sha256:" + "a" * 64),
+    ("ubuntu:22.04@sha256:" + "b" * 64, "docker.io/library/ubuntu:22.04@sha256:" + "b" * 64),
+    ("ghcr.io/org/my-app__x.y:latest", "ghcr.io/org/my-app__x.y:latest"),
+])
+def test_parse_reference_valid(ref, expected):
+    assert str(parse_reference(ref)) == expected
+
+
+def test_parse_reference_fields_and_default_registry():
+    assert parse_reference("localhost:5000/x@sha256:" + "c" * 64) == ImageRef("localhost:5000", "x", None, "sha256:" + "c" * 64)
+    assert parse_reference("app:2", default_registry="127.0.0.1:5000") == ImageRef("127.0.0.1:5000", "app", "2", None)
+
+
+@pytest.mark.parametrize("ref", [
+    "", " ubuntu", "Ubuntu", "ubuntu:", "ubuntu@sha256:abc", "ubuntu@md5:" + "a" * 32, "a//b", "-a/b",
+    "ubuntu:tag with space", "reg.example.com/", "ubuntu:.bad", "x" * 600, "http://reg/x", "a/B",
+])
+def test_parse_reference_invalid(ref):
+    with pytest.raises(InvalidRequest) as ei:
+        parse_reference(ref)
+    assert "repository[:tag]" in ei.value.message  # says what a valid reference looks like
+
+
+def test_settings_from_env():
+    s = RegistrySettings.from_env({
+        "AENV_REGISTRY_MIRRORS": "docker.io=localhost:5000, ghcr.io=127.0.0.1:5001",
+        "AENV_INSECURE_REGISTRIES": "localhost:5000,127.0.0.1:5001", "AENV_REGISTRY_TIMEOUT": "7.5",
+    })
+    assert s.mirrors == {"docker.io": "localhost:5000", "ghcr.io": "127.0.0.1:5001"}
+    assert s.insecure == {"localhost:5000", "127.0.0.1:5001"} and s.timeout_s == 7.5
+    assert s.default_registry == "docker.io"
+    assert s.sources(parse_reference("ubuntu")) == ["localhost:5000", "docker.io"]
+    with pytest.raises(ValueError):
+        RegistrySettings.from_env({"AENV_REGISTRY_MIRRORS": "docker.io"})
+
+
+def test_image_config_json_round_trip():
+    c = ImageConfig({"A": "1"}, "/w", "1000", ["/e"], ["c", "d"])
+    assert ImageConfig.from_json(json.loads(json.dumps(c.to_json()))) == c
+
+
+# ---------------------------------------------------------------- pull + convert
+
+async def test_pull_and_convert_busybox(registry, busybox, cache, tmp_path):
+    img = await pull(busybox.ref, cache, settings_for(registry.host))
+    assert img.digest == busybox.digest and img.layout == layout_dir(cache, busybox.digest)
+    assert img.config.env == {"PATH": "/bin", "AENV_TEST": "busybox"}
+    assert img.config.workdir == "/work" and img.config.cmd == ["/bin/sh", "-c", "echo hi"]
+    assert img.config.entrypoint == [] and img.config.user is None
+    assert img.size_bytes > 500_000  # the compressed busybox layer
+
+    out = await to_ext4(img, tmp_path / "out" / ext4_name(img, 64), size_mb=64)
+    assert out.exists() and stat.S_IMODE(out.stat().st_mode) == 0o444
+    assert out.stat().st_size == 64 << 20
+    passwd = debugfs(out, "cat /etc/passwd")
+    assert "root:x:0:0:" in passwd and "user:x:1000:1000::/home/user:/bin/sh" in passwd
+    assert "user:x:1000:" in debugfs(out, "cat /etc/group")
+    assert "Type: regular" in debugfs(out, "stat /bin/busybox")
+    assert "Type: symlink" in debugfs(out, "stat /bin/sh")
+    home = debugfs(out, "stat /home/user")
+    assert "Type: directory" in home and re.search(r"User:\s+1000\s+Group:\s+1000", home)
+    for d in ("/proc", "/sys", "/dev", "/tmp", "/run", "/work"):
+        assert "Type: directory" in debugfs(out, f"stat {d}"), d
+    for f in ("/etc/hosts", "/etc/resolv.conf"):
+        assert "Type: regular" in debugfs(out, f"stat {f}"), f
+    assert list((tmp_path / "out").iterdir()) == [out]  # no partial file beside it
+
+
+async def test_second_pull_reuses_cached_layout(registry, busybox, cache):
+    s = settings_for(registry.host)
+    first = await pull(busybox.ref, cache, s)
+    inode = first.layout.stat().st_ino
+    t0 = time.monotonic()
+    again = await pull(busybox.ref, cache, s)
+    TIMINGS["busybox cached re-pull s"] = time.monotonic() - t0
+    assert again.digest == first.digest and again.layout == first.layout
+    assert again.layout.stat().st_ino == inode  # not replaced by a new copy
+    assert len(list((cache / "oci").iterdir())) == 1
+
+
+async def test_pull_by_digest_and_cached_digest_needs_no_registry(cache):
+    with LocalRegistry() as reg:
+        built = build_busybox_image(reg, "pinned")
+        s = settings_for(reg.host)
+        by_digest = f"{reg.host}/pinned@{built.digest}"
+        img = await pull(by_digest, cache, s)
+        assert img.digest == built.digest and img.ref.digest == built.digest and img.ref.tag is None
+    # registry gone: the pinned image is served from the cache; a tag still needs the registry
+    again = await pull(by_digest, cache, settings_for(reg.host, timeout_s=5))
+    assert again.layout == img.layout
+    with pytest.raises(RegistryUnreachable):
+        await pull(built.ref, cache, settings_for(reg.host, timeout_s=5))
+
+
+async def test_unknown_digest_is_not_found(registry, busybox, cache):
+    ref = f"{registry.host}/busybox@sha256:{'0' * 64}"
+    with pytest.raises(ImageNotFound) as ei:
+        await pull(ref, cache, settings_for(registry.host))
+    assert ref in ei.value.message
+
+
+@pytest.mark.parametrize("name", ["busybox:nope", "does-not-exist:1", "library/ghost"])
+async def test_missing_image_or_tag_is_not_found(registry, busybox, cache, name):
+    ref = f"{registry.host}/{name}"
+    with pytest.raises(ImageNotFound) as ei:
+        await pull(ref, cache, settings_for(registry.host))
+    assert str(parse_reference(ref)) in ei.value.message
+    assert not (cache / "oci").exists() or not list((cache / "oci").iterdir())
+
+
+# ---------------------------------------------------------------- credentials
+
+async def test_auth_right_credentials(auth_registry, cache):
+    built = build_busybox_image(auth_registry, "private")
+    img = await pull(built.ref, cache, settings_for(auth_registry.host), username="alice", password="s3cret-pw")
+    assert img.digest == built.digest
+
+
+@pytest.mark.parametrize("creds", [None, ("alice", "wrong-pw"), ("mallory", "s3cret-pw")])
+async def test_auth_refused(auth_registry, cache, creds):
+    ref = f"{auth_registry.host}/private:1"
+    user, pw = creds or (None, None)
+    with pytest.raises(RegistryAuthFailed) as ei:
+        await pull(ref, cache, settings_for(auth_registry.host), username=user, password=pw)
+    assert ei.value.registry == auth_registry.host and auth_registry.host in ei.value.message
+    assert ei.value.credentials_given is (creds is not None)
+    assert ("rejected" if creds else "no credentials") in ei.value.message
+    assert "s3cret-pw" not in ei.value.message and "wrong-pw" not in ei.value.message
+
+
+async def test_password_never_in_unclassified_errors(cache):
+    """Even an error we cannot classify (skopeo refuses a transport) must not echo the password."""
+    with ClosedPort() as closed:
+        with pytest.raises(Exception) as ei:
+            await pull(f"{closed.host}/x:1", cache, settings_for(closed.host), username="u", password="hunter2-pw")
+    assert "hunter2-pw" not in str(ei.value) and "hunter2-pw" not in repr(getattr(ei.value, "argv", ""))
+
+
+# ---------------------------------------------------------------- unreachable
+
+async def test_connection_refused_is_unreachable(cache):
+    with ClosedPort() as closed:
+        t0 = time.monotonic()
+        with pytest.raises(RegistryUnreachable) as ei:
+            await pull(f"{closed.host}/x:1", cache, settings_for(closed.host, timeout_s=3))
+    assert time.monotonic() - t0 < 3
+    assert closed.host in ei.value.message and "connection refused" in ei.value.message
+
+
+@pytest.mark.parametrize("insecure", [True, False])
+async def test_black_hole_is_unreachable_within_bound(cache, insecure):
+    with BlackHole() as hole:
+        s = settings_for(*([hole.host] if insecure else []), timeout_s=3)
+        t0 = time.monotonic()
+        with pytest.raises(RegistryUnreachable) as ei:
+            await pull(f"{hole.host}/x:1", cache, s)
+        elapsed = time.monotonic() - t0
+    assert 2.5 < elapsed < 3 + 5, elapsed
+    assert hole.host in ei.value.message and "3 s" in ei.value.message
+    assert not _procs_mentioning(hole.host)
+
+
+async def test_cancelled_pull_leaves_no_process(cache):
+    with BlackHole() as hole:
+        task = asyncio.create_task(pull(f"{hole.host}/x:1", cache, settings_for(hole.host, timeout_s=30)))
+        await asyncio.sleep(1.0)
+        assert _procs_mentioning(hole.host)  # skopeo is waiting on the hole
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not _procs_mentioning(hole.host)
+
+
+# ---------------------------------------------------------------- corruption and size
+
+def _flip_byte(path: Path) -> None:
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+async def test_corrupt_cached_layer_is_refused_then_pulled_again(registry, busybox, cache, tmp_path):
+    s = settings_for(registry.host)
+    img = await pull(busybox.ref, cache, s)
+    blob = img.layout / "blobs" / "sha256" / busybox.layers[0].removeprefix("sha256:")
+    inode = img.layout.stat().st_ino
+    _flip_byte(blob)
+    with pytest.raises(ImageCorrupt):
+        await to_ext4(img, tmp_path / "x.ext4", size_mb=64)
+    assert not (tmp_path / "x.ext4").exists()
+    again = await pull(busybox.ref, cache, s)  # the damaged layout is dropped and fetched anew
+    assert again.layout == img.layout and again.layout.stat().st_ino != inode
+    out = await to_ext4(again, tmp_path / "x.ext4", size_mb=64)
+    assert "user:x:1000" in debugfs(out, "cat /etc/passwd")
+
+
+async def test_corrupt_blob_served_by_registry_is_refused(cache):
+    with LocalRegistry() as reg:
+        built = build_busybox_image(reg, "bad")
+        _flip_byte(reg.blob_path(built.layers[0]))
+        with pytest.raises(ImageCorrupt) as ei:
+            await pull(built.ref, cache, settings_for(reg.host))
+    assert "digest" in ei.value.message.lower()
+    assert not list((cache / "oci").iterdir())  # the partial layout is gone
+
+
+@pytest.mark.parametrize("size_mb", [1, 2])
+async def test_image_too_large(registry, busybox, cache, tmp_path, size_mb):
+    img = await pull(busybox.ref, cache, settings_for(registry.host))
+    with pytest.raises(ImageTooLarge) as ei:
+        await to_ext4(img, tmp_path / "small.ext4", size_mb=size_mb)
+    assert f"{size_mb} MiB" in ei.value.message
+    assert not list(tmp_path.glob("*small.ext4*"))
+    assert [p.name for p in (cache / "oci").iterdir()] == [img.layout.name]  # no unpack dir left
+
+
+# ---------------------------------------------------------------- mirrors
+
+async def test_mirror_serves_docker_hub_short_name(registry, cache):
+    built = build_busybox_image(registry, "library/busybox-test")
+    s = settings_for(registry.host, mirrors={"docker.io": registry.host})
+    img = await pull("busybox-test:1", cache, s)
+    assert str(img.ref) == "docker.io/library/busybox-test:1" and img.digest == built.digest
+
+
+async def test_failing_mirror_falls_back_to_registry(registry, busybox, cache):
+    with ClosedPort() as closed:
+        s = settings_for(registry.host, closed.host, mirrors={registry.host: closed.host})
+        img = await pull(busybox.ref, cache, s)
+    assert img.digest == busybox.digest
+
+
+# ---------------------------------------------------------------- a real distribution
+
+@pytest.fixture(scope="module")
+def debian(registry):
+    try:
+        debian_tarball()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    return build_debian_image(registry, "debian")
+
+
+async def test_debian_image_converts(registry, debian, cache, tmp_path):
+    s = settings_for(registry.host, timeout_s=120)
+    t0 = time.monotonic()
+    img = await pull(debian.ref, cache, s)
+    TIMINGS["debian pull s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    out = await to_ext4(img, tmp_path / ext4_name(img, 1024), size_mb=1024)
+    TIMINGS["debian to_ext4 s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    again = await pull(debian.ref, cache, s)
+    TIMINGS["debian cached re-pull s"] = time.monotonic() - t0
+    assert again.layout == img.layout
+    assert "python3" in debugfs(out, "ls -l /usr/bin")
+    passwd = debugfs(out, "cat /etc/passwd")
+    assert passwd.count("\nuser:") + passwd.startswith("user:") == 1  # the image's own user kept
+    assert img.config.env["AENV_TEST"] == "debian" and img.config.workdir == "/home/user"
+    print("\nTIMINGS", json.dumps({k: round(v, 2) for k, v in TIMINGS.items()}))
+
+
+async def test_debian_image_too_large_for_small_disk(registry, debian, cache, tmp_path):
+    img = await pull(debian.ref, cache, settings_for(registry.host, timeout_s=120))
+    with pytest.raises(ImageTooLarge) as ei:
+        await to_ext4(img, tmp_path / "d.ext4", size_mb=100)
+    assert "100 MiB" in ei.value.message and re.search(r"unpacks to \d+ MiB", ei.value.message)
+
+
+def test_pulled_image_is_frozen(busybox):
+    img = PulledImage(parse_reference("x"), "sha256:" + "0" * 64, Path("/nonexistent"),
+                      ImageConfig({}, None, None, [], []), 0)
+    with pytest.raises(AttributeError):
+        img.digest = "y"  # type: ignore[misc]
