@@ -14,6 +14,7 @@ import uvicorn
 from agentenv.config import Settings
 from agentenv.errors import ProvisioningError
 from agentenv.images import artifacts_present
+from agentenv.images.registry import RegistrySettings
 from agentenv.orchestrator import Orchestrator, Template, TemplateCatalog
 from agentenv.orchestrator.ids import new_api_key
 
@@ -59,7 +60,11 @@ def build_app(settings: Settings):  # type: ignore[no-untyped-def]
     from agentenv.api import create_app
 
     register_default_template(settings)
-    return create_app(Orchestrator(settings), api_key_for(settings))
+    try:
+        registry = RegistrySettings.from_env()
+    except ValueError as exc:
+        raise ProvisioningError(f"registry settings: {exc}") from exc
+    return create_app(Orchestrator(settings, registry), api_key_for(settings))
 
 
 def serve(settings: Settings) -> None:

@@ -10,7 +10,13 @@ import typer
 
 from agentenv.cli.client import client_for
 from agentenv.cli.context import CliError
-from agentenv.cli.output import OutputOption, console, explicit_format, print_json, status
+from agentenv.cli.output import (
+    OutputOption,
+    console,
+    explicit_format,
+    print_json,
+    status,
+)
 
 PULL_TIMEOUT = 1800.0  # a large image over a slow registry
 

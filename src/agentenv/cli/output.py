@@ -107,7 +107,14 @@ def status(message: str) -> contextlib.AbstractContextManager[Any]:
 @contextlib.contextmanager
 def transfer(label: str, total: int | None) -> Iterator[Callable[[int], None]]:
     """A byte progress bar on stderr (terminal only); yields ``advance(nbytes)``."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     err = console(stderr=True)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),

@@ -23,10 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.errors import (
-    AgentenvError, ExternalCommandError, ImageCorrupt, ImageTooLarge, InvalidRequest, RegistryUnreachable,
+    AgentenvError,
+    ExternalCommandError,
+    ImageCorrupt,
+    ImageTooLarge,
+    InvalidRequest,
+    RegistryUnreachable,
 )
 from agentenv.images.ocitree import prepare_tree
-from agentenv.images.registry import ImageRef, RegistrySettings, classify, parse_reference
+from agentenv.images.registry import (
+    ImageRef,
+    RegistrySettings,
+    classify,
+    parse_reference,
+)
 from agentenv.proc import run, run_bounded
 
 __all__ = ["ImageConfig", "PulledImage", "pull", "to_ext4", "ext4_name", "layout_dir"]

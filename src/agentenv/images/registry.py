@@ -15,8 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agentenv.errors import (
-    AgentenvError, ExternalCommandError, ImageCorrupt, ImageNotFound, InvalidRequest,
-    RegistryAuthFailed, RegistryUnreachable,
+    AgentenvError,
+    ExternalCommandError,
+    ImageCorrupt,
+    ImageNotFound,
+    InvalidRequest,
+    RegistryAuthFailed,
+    RegistryUnreachable,
 )
 
 DOCKER_HUB = "docker.io"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from agentenv.errors import InvalidRequest
 from agentenv.images import GuestArtifacts, oci
+from agentenv.images.registry import ImageRef, parse_reference
 from agentenv.orchestrator.templates import Template
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ DEFAULT_DISK_MB = 4096
 MAX_DISK_MB = 65536
 
 
-def default_name(ref: oci.ImageRef) -> str:
+def default_name(ref: ImageRef) -> str:
     """``docker.io/library/ubuntu:22.04`` → ``ubuntu``: the last path component."""
     return ref.repository.rsplit("/", 1)[-1].lower()
 
@@ -43,7 +44,7 @@ def _default_user(config: oci.ImageConfig) -> str:
 
 async def pull(orch: Orchestrator, image: str, *, name: str | None = None, username: str | None = None,
                password: str | None = None, disk_mb: int | None = None) -> Template:
-    ref = oci.parse_reference(image, default_registry=orch.registry.default_registry)
+    ref = parse_reference(image, default_registry=orch.registry.default_registry)
     name = name or default_name(ref)
     if not TEMPLATE_NAME.fullmatch(name):
         raise InvalidRequest(f"template name '{name}' is invalid: use 1-64 lowercase letters, digits, '.', '_' "

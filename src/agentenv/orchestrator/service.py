@@ -24,6 +24,7 @@ from agentenv.errors import (
     SnapshotNotFound,
 )
 from agentenv.images.oci import RegistrySettings
+from agentenv.images.registry import RegistrySettings
 from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.lifecycle import ACTIVE, State, allowed
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 class Orchestrator:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, registry: RegistrySettings | None = None) -> None:
         self.settings = settings
         self.accel: AccelInfo = detect_accel(settings.accel)
         self.sandboxes_dir = settings.data_dir / "sandboxes"
@@ -68,7 +69,7 @@ class Orchestrator:
         self._forking = 0  # forks in progress (their memory file is not mapped yet)
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
-        self.registry = RegistrySettings.from_env()
+        self.registry = registry or RegistrySettings()  # where images are pulled from (server.py reads the env)
         self._image_locks: dict[str, asyncio.Lock] = {}
 
     # -- start / stop ---------------------------------------------------------------------

@@ -27,8 +27,8 @@ from agentenv.api.models import (
 )
 from agentenv.errors import InvalidRequest, RequestError
 from agentenv.orchestrator import Orchestrator, SandboxRecord, State
-from agentenv.orchestrator.lifecycle import api_state
 from agentenv.orchestrator.ids import new_access_token
+from agentenv.orchestrator.lifecycle import api_state
 
 router = APIRouter()
 
