@@ -23,7 +23,6 @@ from agentenv.errors import (
     SandboxStateError,
     SnapshotNotFound,
 )
-from agentenv.images.oci import RegistrySettings
 from agentenv.images.registry import RegistrySettings
 from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
 from agentenv.orchestrator.checkpoints import Checkpointer
