@@ -1,0 +1,129 @@
+"""Templates from OCI images, end to end: images built by the tests, pushed with skopeo to a real
+docker-registry on loopback (one open, one behind htpasswd), pulled by the server, booted as
+real microVMs with the agent running from the tools drive."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import run
+from tests.framework.net import node_cidr
+from tests.framework.registry import BuiltImage, LocalRegistry, build_busybox_image, build_debian_image
+from tests.framework.server import ServerProcess
+
+AUTH = ("aenv", "s3cret-pass")
+
+
+@pytest.fixture(scope="module")
+def registries() -> Iterator[tuple[LocalRegistry, LocalRegistry]]:
+    with LocalRegistry() as open_, LocalRegistry(auth=AUTH) as private:
+        yield open_, private
+
+
+@pytest.fixture(scope="module")
+def images(registries: tuple[LocalRegistry, LocalRegistry]) -> dict[str, BuiltImage]:
+    open_, private = registries
+    return {"busybox": build_busybox_image(open_, "tiny/busybox"), "debian": build_debian_image(open_, "debian"),
+            "private": build_busybox_image(private, "team/secret")}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, registries: tuple[LocalRegistry, LocalRegistry]) -> Iterator[ServerProcess]:
+    insecure = ",".join(r.host for r in registries)
+    s = ServerProcess(tmp_path_factory.mktemp("images") / "data", node_cidr(26), AENV_POOL_SIZE="0",
+                      AENV_INSECURE_REGISTRIES=insecure, AENV_REGISTRY_TIMEOUT="60")
+    s.start()
+    yield s
+    s.kill_all()
+
+
+@pytest.fixture(scope="module")
+def api(node: ServerProcess) -> Iterator[httpx.Client]:
+    with node.client(timeout=600) as c:
+        yield c
+
+
+def _sandbox(api: httpx.Client, template: str) -> str:
+    r = api.post("/sandboxes", json={"templateID": template, "timeout": 600})
+    assert r.status_code == 201, r.text
+    return r.json()["sandboxID"]
+
+
+def test_busybox_only_image_becomes_a_template_that_runs_commands(api: httpx.Client, images) -> None:
+    ref = images["busybox"].ref
+    r = api.post("/images/pull", json={"image": ref, "name": "bb"})
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert info["templateID"] == "bb" and info["image"]["digest"] == images["busybox"].digest
+    assert info["image"]["config"]["env"]["AENV_TEST"] == "busybox"
+    assert "bb" in [t["templateID"] for t in api.get("/templates").json()]
+    sid = _sandbox(api, "bb")
+    try:
+        # The image has no bash, no libc, no Python: `bash -l -c` runs in its /bin/sh, as the
+        # user the conversion added, in the image's WorkingDir, with the image's Env.
+        out = run(api, sid, "echo $AENV_TEST; pwd; id -u; readlink /bin/sh")
+        assert out["exitCode"] == 0, out
+        assert out["stdout"].split() == ["busybox", "/work", "1000", "busybox"]
+        assert run(api, sid, "whoami", user="root")["stdout"].strip() == "root"
+        # files through the agent, into the image's own file system
+        assert api.put(f"/sandboxes/{sid}/files", params={"path": "/work/note.txt"}, content=b"hello").status_code < 300
+        assert run(api, sid, "cat /work/note.txt")["stdout"] == "hello"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_debian_image_template_has_its_python_and_defaults(api: httpx.Client, images) -> None:
+    r = api.post("/images/pull", json={"image": images["debian"].ref, "name": "deb"})
+    assert r.status_code == 201, r.text
+    sid = _sandbox(api, "deb")
+    try:
+        out = run(api, sid, "python3 -c 'import sys; print(sys.prefix)'; echo $AENV_TEST; pwd; whoami")
+        assert out["stdout"].split() == ["/usr", "debian", "/home/user", "user"], out
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_private_registry_needs_the_right_credentials(api: httpx.Client, images, registries) -> None:
+    ref, host = images["private"].ref, registries[1].host
+    r = api.post("/images/pull", json={"image": ref, "name": "secret"})
+    assert r.status_code == 401 and host in r.json()["message"], r.text
+    r = api.post("/images/pull", json={"image": ref, "name": "secret", "username": AUTH[0], "password": "wrong"})
+    assert r.status_code == 401 and host in r.json()["message"], r.text
+    assert "wrong" not in r.text  # the password never comes back
+    r = api.post("/images/pull", json={"image": ref, "name": "secret", "username": AUTH[0], "password": AUTH[1]})
+    assert r.status_code == 201, r.text
+    assert AUTH[1] not in r.text
+
+
+def test_missing_image_and_bad_input_get_clear_errors(api: httpx.Client, registries) -> None:
+    host = registries[0].host
+    r = api.post("/images/pull", json={"image": f"{host}/nope/none:1"})
+    assert r.status_code == 404 and f"{host}/nope/none:1" in r.json()["message"], r.text
+    r = api.post("/images/pull", json={"image": "UPPER CASE!"})
+    assert r.status_code == 400, r.text
+    r = api.post("/images/pull", json={"image": f"{host}/tiny/busybox:1", "name": "base"})
+    assert r.status_code == 400 and "reserved" in r.json()["message"], r.text
+    r = api.post("/images/pull", json={"image": f"{host}/tiny/busybox:1", "diskSizeMB": 10})
+    assert r.status_code == 400 and "diskSizeMB" in r.json()["message"], r.text
+
+
+def test_cli_pull_then_start(node: ServerProcess, images) -> None:
+    env = {**os.environ, "AENV_URL": node.url, "AENV_API_KEY": node.api_key}
+    aenv = [sys.executable, "-m", "agentenv.cli.main"]
+    out = subprocess.run([*aenv, "pull", images["busybox"].ref, "--name", "bb-cli"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "bb-cli" in out.stdout + out.stderr
+    out = subprocess.run([*aenv, "start", "bb-cli", "-d"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    sid = out.stdout.strip()
+    out = subprocess.run([*aenv, "exec", sid, "--", "cat", "/etc/passwd"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "user:x:1000" in out.stdout, out.stderr
+    subprocess.run([*aenv, "rm", sid], env=env, capture_output=True, timeout=120)
