@@ -63,16 +63,16 @@ def test_agent_is_restarted_and_keeps_the_sandbox_state(api: httpx.Client, serve
     sid = api.post("/sandboxes", json={"templateID": "base", "envVars": {"KEEP": "me"}}).json()["sandboxID"]
     token = api.get(f"/sandboxes/{sid}").json()["envdAccessToken"]
     try:
-        old = run(api, sid, "pgrep -f /opt/agentenv/agent.py", user="root")["stdout"].split()
+        old = run(api, sid, "pgrep -f /run/agentenv/agent/agent.py", user="root")["stdout"].split()
         # Kill the agent from inside; the init restarts it. The command's stream ends with an
         # error event, since the agent that ran it is gone.
-        r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "sleep 0.2; pkill -9 -f /opt/agentenv/agent.py",
+        r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "sleep 0.2; pkill -9 -f /run/agentenv/agent/agent.py",
                                                       "user": "root", "stream": True}, timeout=10)
         assert json.loads(r.text.splitlines()[-1])["type"] == "error"
         import time
         deadline = time.monotonic() + 90  # generous: the init restarts the agent after a back-off
         while time.monotonic() < deadline:
-            r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "pgrep -f /opt/agentenv/agent.py; echo $KEEP"})
+            r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "pgrep -f /run/agentenv/agent/agent.py; echo $KEEP"})
             if r.status_code == 200 and r.json()["stdout"].split()[0] not in old:
                 break
             time.sleep(0.5)

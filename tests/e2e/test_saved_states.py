@@ -224,10 +224,11 @@ def test_corrupt_or_missing_layer_is_refused_and_leaves_nothing(api: httpx.Clien
 
 
 def test_auto_pause_at_timeout_then_connect_resumes(api: httpx.Client) -> None:
-    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 2, "autoPause": True}).json()["sandboxID"]
+    # 6 s: the exec below must land before the timeout, also on a loaded 2-core host
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 6, "autoPause": True}).json()["sandboxID"]
     try:
         run(api, sid, "echo kept > /tmp/auto")
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while state(api, sid) != "paused" and time.monotonic() < deadline:
             time.sleep(0.2)
         assert state(api, sid) == "paused"
