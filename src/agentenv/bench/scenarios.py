@@ -25,7 +25,9 @@ from agentenv.bench.e2b_sdk import (
     bench_e2b_transfer,
     bench_e2b_tti,
 )
+from agentenv.bench.images import bench_pull, make_pull_image
 from agentenv.bench.node import CACHE, LocalNode, pss_kb, qemu_pids
+from agentenv.bench.registry import LocalRegistry
 from agentenv.bench.saved_states import (
     MIGRATE_CIDR,
     bench_fork,
@@ -193,7 +195,7 @@ def bench_idle_pss(node: LocalNode, api: httpx.Client, runs: int, count: int = 8
     return {"idle_pss_mb": samples, "idle_guest_ram_pss_mb": guest}
 
 
-Scenario = Callable[[LocalNode, httpx.Client, int], dict[str, list[float]]]
+Scenario = Callable[..., dict[str, list[float]]]  # (node, api, runs[, image]) → samples
 
 # metric → the scenario that measures it (one scenario may measure several metrics)
 SCENARIOS: dict[str, Scenario] = {
@@ -217,7 +219,11 @@ SCENARIOS: dict[str, Scenario] = {
     "guest_bash_true_ms": bench_e2b_exec,
     "upload_100mb_s": bench_e2b_transfer,
     "download_100mb_s": bench_e2b_transfer,
+    # issue #5: templates from images (bench/images.py)
+    "pull_convert_s": bench_pull,
+    "pull_cached_s": bench_pull,
 }
+IMAGE_SCENARIOS = (bench_pull,)  # these get the image pushed to the bench's loopback registry
 MACHINE_LEVEL = ("cold_boot_ms", "template_snapshot_ms", "create_coldboot_ms")
 
 
@@ -237,8 +243,13 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
             if (only is None or name in only) and fn not in wanted:
                 wanted.append(fn)
         if wanted:
+            registry = image = None
+            if any(fn in IMAGE_SCENARIOS for fn in wanted):
+                registry = LocalRegistry().start()
+                image = make_pull_image(registry)
             node = LocalNode(tmp / "node", BENCH_CIDR, cache, AENV_POOL_SIZE=str(Settings().pool_size), AENV_ACCEL=accel,
-                             AENV_MAX_SANDBOXES="64", AENV_DOMAIN=DOMAIN)
+                             AENV_MAX_SANDBOXES="64", AENV_DOMAIN=DOMAIN,
+                             AENV_INSECURE_REGISTRIES=registry.host if registry else "")
             node.start()
             try:
                 with node.client() as api:
@@ -247,9 +258,12 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
                         api.delete(f"/sandboxes/{sb['sandboxID']}")
                     for fn in wanted:
                         # a scenario reports its baseline with it, asked for or not
-                        metrics.update({k: summarize(v) for k, v in fn(node, api, runs).items()})
+                        raw = fn(node, api, runs, image) if fn in IMAGE_SCENARIOS else fn(node, api, runs)
+                        metrics.update({k: summarize(v) for k, v in raw.items()})
             finally:
                 node.kill_all()
+                if registry is not None:
+                    registry.stop()
     return {"accel": accel_info.accel, "accelReason": accel_info.reason,
             "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
                         "memoryGiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
