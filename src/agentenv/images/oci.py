@@ -277,15 +277,14 @@ async def to_ext4(image: PulledImage, out: Path, *, size_mb: int, add_user: bool
     work = Path(tempfile.mkdtemp(prefix=".unpack-", dir=image.layout.parent))
     partial = out.with_name(f".{out.name}.{work.name}.partial")
     try:
-        bundle = work / "bundle"
+        tree = work / "rootfs"
         rootless = ["--rootless"] if os.geteuid() != 0 else []
-        try:
-            await run(["umoci", "unpack", *rootless, "--image", f"{image.layout}:{LAYOUT_TAG}", str(bundle)])
+        try:  # `raw unpack`: the rootfs only, without the mtree manifest `unpack` hashes every file for
+            await run(["umoci", "raw", "unpack", *rootless, "--image", f"{image.layout}:{LAYOUT_TAG}", str(tree)])
         except ExternalCommandError as exc:
             if any(m in exc.output.lower() for m in _UMOCI_CORRUPT):
                 raise ImageCorrupt(f"image {image.ref} ({image.digest}) does not unpack: {exc.output.strip()[-300:]}") from None
             raise
-        tree = bundle / "rootfs"
         used = await _tree_mib(tree)
         if math.ceil(used * HEADROOM) > size_mb:
             raise ImageTooLarge(f"image {image.ref} unpacks to {used:.0f} MiB ({math.ceil(used * HEADROOM)} MiB "
