@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.errors import (
-    AgentenvError, ExternalCommandError, ImageCorrupt, ImageTooLarge, InvalidRequest, RegistryUnreachable,
+    AgentenvError, ExternalCommandError, ImageCorrupt, ImageTooLarge, InvalidRequest, ProvisioningError,
+    RegistryUnreachable,
 )
 from agentenv.images.ocitree import prepare_tree
 from agentenv.images.registry import ImageRef, RegistrySettings, classify, parse_reference
@@ -238,6 +239,9 @@ async def pull(ref: str | ImageRef, cache: Path, settings: RegistrySettings, *,
     if username is not None and (not username or ":" in username):
         raise InvalidRequest("a registry username must be non-empty and contain no ':'")
     creds = (username, password) if username is not None and password is not None else None
+    if ":" in str(cache.resolve()):
+        raise ProvisioningError(f"image cache {cache} has a ':' in its path; skopeo and umoci read "
+                                "'path:tag' and cannot use it: choose another AENV_CACHE_DIR")
     root = cache / "oci"
     root.mkdir(parents=True, exist_ok=True)
     if image_ref.digest and (cached := await _reuse(image_ref, layout_dir(cache, image_ref.digest), image_ref.digest)):
