@@ -1,6 +1,7 @@
 """The loopback registries and image builders the tests share with ``aenv bench``."""
 
 from agentenv.bench.registry import (  # noqa: F401
+    CREATED,
     BlackHole,
     BuiltImage,
     ClosedPort,

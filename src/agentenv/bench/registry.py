@@ -23,6 +23,15 @@ REGISTRY_BIN = "/usr/bin/docker-registry"
 CACHE = Path(os.environ.get("AENV_CACHE_DIR", "/var/lib/agentenv/cache"))  # as bench.node finds it
 
 
+CREATED: list[Path] = []  # every temp dir this module made, so tests can assert all are gone
+
+
+def _mkdtemp(prefix: str) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    CREATED.append(d)
+    return d
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -35,7 +44,7 @@ class LocalRegistry:
 
     def __init__(self, *, auth: tuple[str, str] | None = None) -> None:
         self.auth = auth
-        self.dir = Path(tempfile.mkdtemp(prefix="aenv-registry-"))
+        self.dir = _mkdtemp("aenv-registry-")
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
 
@@ -163,8 +172,9 @@ BUSYBOX_APPLETS = ("sh", "ls", "cat", "echo", "id", "env", "mkdir", "rm", "true"
 
 def build_busybox_image(registry: LocalRegistry, name: str, tag: str = "1") -> BuiltImage:
     """An image of only a static busybox (+ applet links) and a root-only /etc/passwd."""
-    with tempfile.TemporaryDirectory(prefix="aenv-img-") as tmp:
-        layout, tree = Path(tmp) / "layout", Path(tmp) / "tree"
+    tmp = _mkdtemp("aenv-img-")
+    try:
+        layout, tree = tmp / "layout", tmp / "tree"
         (tree / "bin").mkdir(parents=True)
         (tree / "etc").mkdir()
         shutil.copy2("/bin/busybox", tree / "bin" / "busybox")
@@ -177,6 +187,8 @@ def build_busybox_image(registry: LocalRegistry, name: str, tag: str = "1") -> B
             subprocess.run(argv, check=True, capture_output=True)
         _configure(layout, {"PATH": "/bin", "AENV_TEST": "busybox"}, "/work", ["/bin/sh", "-c", "echo hi"])
         return _push(registry, layout, name, tag)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def debian_tarball(cache: Path = CACHE) -> Path:
@@ -191,21 +203,24 @@ def debian_tarball(cache: Path = CACHE) -> Path:
 def build_debian_image(registry: LocalRegistry, name: str, extra_mb: int = 0, tag: str = "1") -> BuiltImage:
     """The project's Debian tree as one layer (+ a layer of ``extra_mb`` MiB of random bytes,
     incompressible, to make images of a chosen size)."""
-    with tempfile.TemporaryDirectory(prefix="aenv-img-") as tmp:
-        layout = Path(tmp) / "layout"
+    tmp = _mkdtemp("aenv-img-")
+    try:
+        layout = tmp / "layout"
         subprocess.run(["umoci", "init", "--layout", str(layout)], check=True, capture_output=True)
         subprocess.run(["umoci", "new", "--image", f"{layout}:img"], check=True, capture_output=True)
         subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:img", str(debian_tarball())],
                        check=True, capture_output=True)
         if extra_mb:
-            blob = Path(tmp) / "extra.bin"
+            blob = tmp / "extra.bin"
             with blob.open("wb") as f:
                 for _ in range(extra_mb):
                     f.write(os.urandom(1 << 20))
-            with tarfile.open(Path(tmp) / "extra.tar", "w") as t:
+            with tarfile.open(tmp / "extra.tar", "w") as t:
                 t.add(blob, arcname="opt/extra.bin")
-            subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:img", str(Path(tmp) / "extra.tar")],
+            subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:img", str(tmp / "extra.tar")],
                            check=True, capture_output=True)
         _configure(layout, {"PATH": "/usr/local/bin:/usr/bin:/bin", "AENV_TEST": "debian"}, "/home/user",
                    ["/bin/bash"])
         return _push(registry, layout, name, tag)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

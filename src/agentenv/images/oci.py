@@ -28,6 +28,7 @@ from agentenv.errors import (
     ImageCorrupt,
     ImageTooLarge,
     InvalidRequest,
+    ProvisioningError,
     RegistryUnreachable,
 )
 from agentenv.images.ocitree import prepare_tree
@@ -248,6 +249,9 @@ async def pull(ref: str | ImageRef, cache: Path, settings: RegistrySettings, *,
     if username is not None and (not username or ":" in username):
         raise InvalidRequest("a registry username must be non-empty and contain no ':'")
     creds = (username, password) if username is not None and password is not None else None
+    if ":" in str(cache.resolve()):
+        raise ProvisioningError(f"image cache {cache} has a ':' in its path; skopeo and umoci read "
+                                "'path:tag' and cannot use it: choose another AENV_CACHE_DIR")
     root = cache / "oci"
     root.mkdir(parents=True, exist_ok=True)
     if image_ref.digest and (cached := await _reuse(image_ref, layout_dir(cache, image_ref.digest), image_ref.digest)):
@@ -287,15 +291,14 @@ async def to_ext4(image: PulledImage, out: Path, *, size_mb: int, add_user: bool
     work = Path(tempfile.mkdtemp(prefix=".unpack-", dir=image.layout.parent))
     partial = out.with_name(f".{out.name}.{work.name}.partial")
     try:
-        bundle = work / "bundle"
+        tree = work / "rootfs"
         rootless = ["--rootless"] if os.geteuid() != 0 else []
-        try:
-            await run(["umoci", "unpack", *rootless, "--image", f"{image.layout}:{LAYOUT_TAG}", str(bundle)])
+        try:  # `raw unpack`: the rootfs only, without the mtree manifest `unpack` hashes every file for
+            await run(["umoci", "raw", "unpack", *rootless, "--image", f"{image.layout}:{LAYOUT_TAG}", str(tree)])
         except ExternalCommandError as exc:
             if any(m in exc.output.lower() for m in _UMOCI_CORRUPT):
                 raise ImageCorrupt(f"image {image.ref} ({image.digest}) does not unpack: {exc.output.strip()[-300:]}") from None
             raise
-        tree = bundle / "rootfs"
         used = await _tree_mib(tree)
         if math.ceil(used * HEADROOM) > size_mb:
             raise ImageTooLarge(f"image {image.ref} unpacks to {used:.0f} MiB ({math.ceil(used * HEADROOM)} MiB "
