@@ -97,7 +97,9 @@ class SDK:
                    E2B_DOMAIN=DOMAIN, AENV_TEST_SERVER=self.server.url)
         return env
 
-    def python(self, version: str, program: str, timeout: float = 300, wrap: tuple[str, ...] = (), **env: str) -> dict:
+    def python(self, version: str, program: str, timeout: float = 300, wrap: tuple[str, ...] = (),
+               venv: str = "py", **env: str) -> dict:
+        """Run ``program`` in the venv ``<venv>-<version>`` (``py``: e2b, ``ci``: e2b-code-interpreter)."""
         path = self.tmp / f"prog_{abs(hash(program))}.py"
         path.write_text(textwrap.dedent(program))
         # The program runs under a launcher that leaves with os._exit once it is done: the
@@ -106,7 +108,7 @@ class SDK:
         # exception in the program still exits 1 with its traceback.
         launcher = self.tmp / "launch.py"
         launcher.write_text(_LAUNCHER)
-        return self._run([*wrap, str(self.cache / f"py-{version}" / "bin" / "python"), str(launcher), str(path)],
+        return self._run([*wrap, str(self.cache / f"{venv}-{version}" / "bin" / "python"), str(launcher), str(path)],
                          timeout, env)
 
     def node(self, program: str, timeout: float = 300, **env: str) -> dict:
