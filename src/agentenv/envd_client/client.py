@@ -20,9 +20,10 @@ import json
 import os
 import struct
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 
@@ -300,6 +301,19 @@ class EnvdClient:
         body: dict[str, Any] = {"timestamp": time.time()}
         if env_vars:
             body["envVars"] = env_vars
+        resp = await self._request("POST", "/init", json=body, headers=self._headers())
+        if not 200 <= resp.status_code < 300:
+            raise _error_from_body(resp.status_code, resp.content)
+
+    async def configure(self, *, env_vars: dict[str, str] | None = None, default_user: str | None = None,
+                        default_workdir: str | None = None) -> None:
+        """``POST /init`` with env vars, default user and default workdir only (no identity,
+        clock or token change): what a template build leaves in the agent's memory."""
+        body: dict[str, Any] = {"envVars": dict(env_vars or {})}
+        if default_user:
+            body["defaultUser"] = default_user
+        if default_workdir:
+            body["defaultWorkdir"] = default_workdir
         resp = await self._request("POST", "/init", json=body, headers=self._headers())
         if not 200 <= resp.status_code < 300:
             raise _error_from_body(resp.status_code, resp.content)

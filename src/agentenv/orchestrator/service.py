@@ -67,6 +67,9 @@ class Orchestrator:
         self._forking = 0  # forks in progress (their memory file is not mapped yet)
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
+        from agentenv.orchestrator.builds import Builds
+
+        self.builds = Builds(self)  # template builds from steps (orchestrator/builds)
 
     # -- start / stop ---------------------------------------------------------------------
 
@@ -77,6 +80,7 @@ class Orchestrator:
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr)
         await recover(self)
+        await self.builds.start()
         self.pool.start()
         self._tasks.append(asyncio.create_task(self._prepare_templates(), name="prepare-templates"))
         self._tasks.append(asyncio.create_task(self._reaper(), name="ttl-reaper"))

@@ -96,6 +96,10 @@ class Checkpoint:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
+# Kinds a sandbox can be started from by name: named snapshots and built templates.
+LAUNCHABLE = ("snapshot", "template")
+
+
 def new_checkpoint_id() -> str:
     return uuid.uuid4().hex[:20]
 
@@ -195,7 +199,7 @@ class SnapshotRepository:
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 raise SnapshotUnusable(f"snapshot {id_or_name}: unreadable manifest ({exc})") from exc
         for cp in self.list():
-            if cp.name == id_or_name and cp.kind == "snapshot":
+            if cp.name == id_or_name and cp.kind in LAUNCHABLE:
                 return cp
         raise SnapshotNotFound(id_or_name)
 
