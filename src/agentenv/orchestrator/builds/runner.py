@@ -370,6 +370,7 @@ class Builds:
                     start_at, cached = -1, None
                     sid = await self._sandbox(b, base, None)
                 b.sandbox_id = sid
+                self._log(b, f"running in sandbox {sid}", level="debug", step="base")
                 self._save(b)
                 shell = await self._shell(sid)
                 n = len(spec.steps)
