@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import signal
 import tarfile
 import time
@@ -272,3 +273,29 @@ def test_upload_url_needs_its_token(api: httpx.Client, node: ServerProcess) -> N
     url = api.get(f"/templates/{tid}/files/abcdef0123456789").json()["url"]
     assert httpx.put(url.split("?")[0], content=b"x").status_code in (401, 403)
     assert Path(node.data_dir / "build-files").exists()
+
+
+def test_cli_template_build_ls_start_and_rm(node: ServerProcess, api: httpx.Client, tmp_path: Path) -> None:
+    from tests.e2e.test_cli_e2e import aenv
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "hello.txt").write_text("from the context\n")
+    (tmp_path / "aenv.Dockerfile").write_text(
+        "FROM base\nENV WHO=cli\nCOPY data /home/user/data\nRUN cat data/hello.txt > copy.txt && \\\n"
+        "    echo $WHO >> copy.txt\nSTART_CMD sleep 100000\n")
+    r = aenv(node, "template", "build", str(tmp_path), "--name", "tb-cli")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[3/3] RUN" in r.stdout and "template 'tb-cli' built" in r.stderr
+    r = aenv(node, "template", "build", str(tmp_path), "--name", "tb-cli")
+    assert r.returncode == 0 and r.stdout.count("CACHED") == 3, r.stdout
+    assert "tb-cli" in [t["templateID"] for t in json.loads(aenv(node, "template", "ls", "-o", "json").stdout)]
+    sid = aenv(node, "start", "-d", "tb-cli").stdout.strip()
+    try:
+        assert run(api, sid, "cat copy.txt")["stdout"] == "from the context\ncli\n"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    (tmp_path / "bad.Dockerfile").write_text("FROM base\nRUN echo no-such-luck; false\n")
+    r = aenv(node, "template", "build", str(tmp_path), "-f", str(tmp_path / "bad.Dockerfile"), "--name", "tb-cli2")
+    assert r.returncode == 1 and "step 1" in r.stderr and "no-such-luck" in r.stderr, r.stderr
+    assert aenv(node, "template", "rm", "tb-cli").returncode == 0
+    assert aenv(node, "template", "rm", "tb-cli").returncode == 1
