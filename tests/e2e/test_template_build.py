@@ -287,7 +287,7 @@ def test_cli_template_build_ls_start_and_rm(node: ServerProcess, api: httpx.Clie
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[3/3] RUN" in r.stdout and "template 'tb-cli' built" in r.stderr
     r = aenv(node, "template", "build", str(tmp_path), "--name", "tb-cli")
-    assert r.returncode == 0 and r.stdout.count("CACHED") == 3, r.stdout
+    assert r.returncode == 0 and r.stdout.count("CACHED [") == 3 and "CACHED finalize" in r.stdout, r.stdout
     assert "tb-cli" in [t["templateID"] for t in json.loads(aenv(node, "template", "ls", "-o", "json").stdout)]
     sid = aenv(node, "start", "-d", "tb-cli").stdout.strip()
     try:

@@ -54,7 +54,9 @@ class Checkpoint:
     """Everything needed to start a sandbox from a saved state.
 
     ``kind``: ``snapshot`` (named, listed, launchable as a template), ``pause`` (the saved state
-    of one paused sandbox) or ``fork`` (the checkpoint children of one fork start from).
+    of one paused sandbox), ``fork`` (the checkpoint children of one fork start from),
+    ``template`` (a built template, launchable by name) or ``build-step`` (the layer cache of
+    template builds, named by its cache key).
     The memory chain is relative to the template snapshot in ``base`` (its memory file);
     ``base_created_at`` identifies that exact build of it.
     """

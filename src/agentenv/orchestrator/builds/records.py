@@ -75,6 +75,7 @@ class TemplateEntry:
     env: dict[str, str] = field(default_factory=dict)
     tags: list[str] = field(default_factory=list)
     cache: list[str] = field(default_factory=list)  # build-step checkpoints its build used
+    final_key: str | None = None  # base + every step + start/ready: an identical rebuild reuses it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

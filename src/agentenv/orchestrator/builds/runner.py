@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import time
 import uuid
@@ -355,6 +357,11 @@ class Builds:
             async with self._sem:
                 base = await self._base(b, spec)
                 keys = spec.cache_keys({**base.identity, "shape": [base.vcpus, base.memory_mb]})
+                final_key = hashlib.sha256(json.dumps(
+                    [keys[-1] if keys else base.identity, base.vcpus, base.memory_mb, spec.start_cmd,
+                     spec.ready_cmd]).encode()).hexdigest()
+                if self._reuse_final(b, spec, final_key):
+                    return
                 configs = spec.configs()
                 start_at, cached = -1, None
                 for i in reversed(range(spec.reusable_until())):
@@ -393,7 +400,7 @@ class Builds:
                         b.cache.append(cp.id)
                         self._log(b, f"step {i + 1} done in {time.monotonic() - ts:.1f}s (cached as {cp.id})",
                                   level="debug", step=str(i + 1))
-                await self._finalize(b, sid, spec, cfg, shell, ensured)
+                await self._finalize(b, sid, spec, cfg, shell, ensured, final_key)
                 b.status = "ready"
                 self._log(b, f"Build finished in {time.monotonic() - t0:.1f}s: template '{b.template_id}' "
                              f"(build {b.build_id}) is ready", step="finalize")
@@ -572,8 +579,27 @@ class Builds:
         if code != 0:
             raise StepFailed(f"{what} failed (exit code {code}): " + ("\n".join(tail) or "(no output)"), str(i + 1))
 
+    def _reuse_final(self, b: BuildRecord, spec: BuildSpec, final_key: str) -> bool:
+        """An identical rebuild (same base, steps, start and ready commands; nothing forced):
+        the template's checkpoint is published again under the new build id."""
+        old = self._templates.get(b.template_id)
+        if old is None or old.final_key != final_key or spec.reusable_until() < len(spec.steps):
+            return False
+        try:
+            cp = self.orch.repo.get(old.checkpoint)
+        except NotFound:
+            return False
+        for i, step in enumerate(spec.steps):
+            self._log(b, f"CACHED [{i + 1}/{len(spec.steps)}] {step.describe()}", step=str(i + 1))
+        self._log(b, "CACHED finalize: nothing changed since build " + old.build_id, step="finalize")
+        b.cache = list(old.cache)
+        self._publish(b, spec, cp, Config(env=dict(old.env)), final_key)
+        b.status = "ready"
+        self._log(b, f"Build finished: template '{b.template_id}' (build {b.build_id}) is ready", step="finalize")
+        return True
+
     async def _finalize(self, b: BuildRecord, sid: str, spec: BuildSpec, cfg: Config, shell: str,
-                        ensured: set[str]) -> None:
+                        ensured: set[str], final_key: str) -> None:
         step = "finalize"
         envd = self.orch.envd(sid)
         await self._ensure_workdir(sid, cfg, ensured)
@@ -602,7 +628,7 @@ class Builds:
         cp = await self._checkpoint(sid, TEMPLATE_KIND, b.template_id)
         cp = cp.with_(env_vars=dict(cfg.env), metadata={})
         await asyncio.to_thread(self.orch.repo.put, cp, True)
-        self._publish(b, spec, cp, cfg)
+        self._publish(b, spec, cp, cfg, final_key)
         await self.orch.gc()
 
     async def _start(self, b: BuildRecord, sid: str, cmd: str, cfg: Config, shell: str, tail: deque[str],
@@ -660,7 +686,7 @@ class Builds:
                                  f"output: {last or '(no output)'}", "finalize")
             await asyncio.sleep(READY_INTERVAL_S)
 
-    def _publish(self, b: BuildRecord, spec: BuildSpec, cp: Checkpoint, cfg: Config) -> None:
+    def _publish(self, b: BuildRecord, spec: BuildSpec, cp: Checkpoint, cfg: Config, final_key: str) -> None:
         now = time.time()
         old = self._templates.get(b.template_id)
         entry = TemplateEntry(
@@ -668,7 +694,7 @@ class Builds:
             memory_mb=cp.memory_mb, disk_mb=cp.disk_mb, created_at=old.created_at if old else now,
             updated_at=now, build_count=(old.build_count + 1) if old else 1, start_cmd=spec.start_cmd,
             ready_cmd=spec.ready_cmd, env=dict(cfg.env), tags=sorted(set(b.tags) | {"default"}),
-            cache=list(b.cache),
+            cache=list(b.cache), final_key=final_key,
         )
         self.files.put_template(entry)
         self._templates[b.template_id] = entry
