@@ -20,10 +20,9 @@ import json
 import os
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 
