@@ -56,6 +56,11 @@ class Settings:
     # Serve HTTPS (E2B SDK 1.x only speaks https to https://api.{domain} and {port}-{id}.{domain}).
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # Template builds (orchestrator/builds): concurrent builds, the default bound of a ready
+    # command, and the largest COPY upload accepted.
+    max_builds: int = 2
+    build_ready_timeout_s: float = 120.0
+    build_upload_max_mb: int = 1024
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -87,6 +92,9 @@ class Settings:
             domain=os.environ.get("AENV_DOMAIN") or None,
             tls_cert=Path(os.environ["AENV_TLS_CERT"]) if os.environ.get("AENV_TLS_CERT") else None,
             tls_key=Path(os.environ["AENV_TLS_KEY"]) if os.environ.get("AENV_TLS_KEY") else None,
+            max_builds=int(_env("AENV_MAX_BUILDS", str(d.max_builds))),
+            build_ready_timeout_s=float(_env("AENV_BUILD_READY_TIMEOUT", str(d.build_ready_timeout_s))),
+            build_upload_max_mb=int(_env("AENV_BUILD_UPLOAD_MAX_MB", str(d.build_upload_max_mb))),
         )
         s.validate()
         return s

@@ -14,7 +14,12 @@ import pytest
 
 from tests.e2e.conftest import run
 from tests.framework.net import node_cidr
-from tests.framework.registry import BuiltImage, LocalRegistry, build_busybox_image, build_debian_image
+from tests.framework.registry import (
+    BuiltImage,
+    LocalRegistry,
+    build_busybox_image,
+    build_debian_image,
+)
 from tests.framework.server import ServerProcess
 
 AUTH = ("aenv", "s3cret-pass")

@@ -10,7 +10,7 @@ from fastapi import Depends, FastAPI, Request
 
 from agentenv import __version__
 from agentenv.api import errors
-from agentenv.api.routes import data, images, lifecycle, sandboxes, system
+from agentenv.api.routes import data, images, lifecycle, sandboxes, system, templates
 from agentenv.orchestrator import Orchestrator
 from agentenv.proxy import ProxyMiddleware, SandboxProxy
 
@@ -35,6 +35,7 @@ def create_app(orch: Orchestrator, api_key: str) -> FastAPI:
     app = FastAPI(title="AgentENV API", version=__version__, lifespan=lifespan)
     app.state.orch = orch
     app.state.proxy = proxy
+    app.state.api_key = api_key  # signs the upload urls of template builds (routes/templates.py)
     # Requests for a sandbox port ({port}-{id}.{domain} Host, or E2b-Sandbox-Id/-Port headers
     # as E2B SDKs send them with E2B_SANDBOX_URL) never reach the routes below.
     app.add_middleware(ProxyMiddleware, proxy=proxy)
@@ -49,6 +50,8 @@ def create_app(orch: Orchestrator, api_key: str) -> FastAPI:
     app.include_router(data.router, dependencies=[Depends(require_key)])
     app.include_router(lifecycle.router, dependencies=[Depends(require_key)])
     app.include_router(images.router, dependencies=[Depends(require_key)])
+    app.include_router(templates.router, dependencies=[Depends(require_key)])
+    app.include_router(templates.uploads)  # its own token in the url, like a pre-signed url
     return app
 
 

@@ -309,6 +309,19 @@ class EnvdClient:
         if not 200 <= resp.status_code < 300:
             raise _error_from_body(resp.status_code, resp.content)
 
+    async def configure(self, *, env_vars: dict[str, str] | None = None, default_user: str | None = None,
+                        default_workdir: str | None = None) -> None:
+        """``POST /init`` with env vars, default user and default workdir only (no identity,
+        clock or token change): what a template build leaves in the agent's memory."""
+        body: dict[str, Any] = {"envVars": dict(env_vars or {})}
+        if default_user:
+            body["defaultUser"] = default_user
+        if default_workdir:
+            body["defaultWorkdir"] = default_workdir
+        resp = await self._request("POST", "/init", json=body, headers=self._headers())
+        if not 200 <= resp.status_code < 300:
+            raise _error_from_body(resp.status_code, resp.content)
+
     # ---- processes --------------------------------------------------------------------------
 
     async def stream(self, cmd: str | list[str], *, envs: dict[str, str] | None = None,

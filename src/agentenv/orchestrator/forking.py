@@ -135,7 +135,7 @@ async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s
                                metadata: dict[str, str] | None, env_vars: dict[str, str] | None,
                                options: dict[str, Any]) -> SandboxRecord:
     cp = orch.repo.get(id_or_name)
-    if cp.kind != "snapshot":
+    if cp.kind not in ("snapshot", "template"):
         raise InvalidRequest(f"'{id_or_name}' is not a snapshot or a template")
     timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
     orch.check_capacity()
@@ -172,7 +172,7 @@ async def snapshot(orch: Orchestrator, sandbox_id: str, name: str | None) -> Che
         if not SNAPSHOT_NAME.fullmatch(name):
             raise InvalidRequest("snapshot name must be 1-64 letters, digits, '-' or '_', starting with a "
                                  "letter or digit")
-        if orch.catalog.exists(name):
+        if orch.catalog.exists(name) or orch.builds.exists(name):
             raise InvalidRequest(f"the name '{name}' is a template's; choose another snapshot name")
     live = orch._require(sandbox_id, {State.RUNNING, State.SNAPSHOTTING, State.FORKING})
     cp = await _checkpoint(orch, live, State.SNAPSHOTTING, "snapshot", name)

@@ -44,6 +44,12 @@ class WarmPool:
         self._wake.set()
         return None
 
+    async def forget(self, snapshot_dir: Path) -> None:
+        """Stop keeping shells of a template snapshot (its template was deleted) and destroy them."""
+        self._hot.pop(snapshot_dir, None)
+        for s in self._shells.pop(snapshot_dir, []):
+            await s.destroy(self._slots)
+
     def warm(self, snapshot: TemplateSnapshot) -> None:
         self._hot[snapshot.dir] = snapshot
         self._wake.set()

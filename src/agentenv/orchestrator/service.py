@@ -70,6 +70,9 @@ class Orchestrator:
         self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
         self.registry = registry or RegistrySettings()  # where images are pulled from (server.py reads the env)
         self._image_locks: dict[str, asyncio.Lock] = {}
+        from agentenv.orchestrator.builds import Builds
+
+        self.builds = Builds(self)  # template builds from steps (orchestrator/builds)
 
     # -- start / stop ---------------------------------------------------------------------
 
@@ -80,6 +83,7 @@ class Orchestrator:
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr)
         await recover(self)
+        await self.builds.start()
         self.pool.start()
         self._tasks.append(asyncio.create_task(self._prepare_templates(), name="prepare-templates"))
         self._tasks.append(asyncio.create_task(self._reaper(), name="ttl-reaper"))
@@ -355,6 +359,22 @@ class Orchestrator:
         from agentenv.orchestrator.pulling import pull
 
         return await pull(self, image, name=name, username=username, password=password, disk_mb=disk_mb)
+
+    async def delete_image_template(self, name: str) -> None:
+        """Forget a template pulled from an image. Its template snapshots (memory files on
+        tmpfs) go at once unless a sandbox or a saved state still starts from them; those stay
+        until the last user is gone (the next ``remove_stale``: a delete, or a server start).
+        The image's OCI layout and ext4 stay in the image cache for the next pull."""
+        t = self.catalog.get(name)
+        if t.image is None:
+            raise InvalidRequest(f"'{name}' is a built-in template and cannot be deleted")
+        await asyncio.to_thread(self.catalog.delete, name)
+        self.snapshots.forget(name)
+        for d in self.snapshots.dirs_of(name):
+            await self.pool.forget(d)
+        bases = {r.record.base_dir for r in self._live.values()} | {cp.base for cp in self.repo.list()}
+        bases |= {str(r.machine.spec.mem_path) for r in self._live.values() if r.machine is not None}
+        await asyncio.to_thread(self.snapshots.remove_stale, self.catalog, bases)
 
     def image_lock(self, key: str) -> asyncio.Lock:
         """One conversion at a time per output file (two pulls of one image wait for each other)."""

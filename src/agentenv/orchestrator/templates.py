@@ -160,6 +160,14 @@ class SnapshotBuilder:
             log.info("removed stale template snapshot %s", d)
         return removed
 
+    def forget(self, template: str) -> None:
+        """Drop cached lookups of a deleted template (its files go with ``remove_stale``)."""
+        for key in [k for k in self._cache if k[0] == template]:
+            del self._cache[key]
+
+    def dirs_of(self, template: str) -> list[Path]:
+        return [m.parent for m in self.root.glob(f"{template}/snapshots/*/meta.json")]
+
     async def get(self, t: Template, vcpus: int, memory_mb: int) -> TemplateSnapshot:
         """The snapshot for this shape, building it on first use (concurrent callers wait)."""
         key = (t.name, vcpus, memory_mb)

@@ -54,7 +54,9 @@ class Checkpoint:
     """Everything needed to start a sandbox from a saved state.
 
     ``kind``: ``snapshot`` (named, listed, launchable as a template), ``pause`` (the saved state
-    of one paused sandbox) or ``fork`` (the checkpoint children of one fork start from).
+    of one paused sandbox), ``fork`` (the checkpoint children of one fork start from),
+    ``template`` (a built template, launchable by name) or ``build-step`` (the layer cache of
+    template builds, named by its cache key).
     The memory chain is relative to the template snapshot in ``base`` (its memory file);
     ``base_created_at`` identifies that exact build of it.
     """
@@ -94,6 +96,10 @@ class Checkpoint:
 
     def with_(self, **changes: object) -> Checkpoint:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+# Kinds a sandbox can be started from by name: named snapshots and built templates.
+LAUNCHABLE = ("snapshot", "template")
 
 
 def new_checkpoint_id() -> str:
@@ -195,7 +201,7 @@ class SnapshotRepository:
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 raise SnapshotUnusable(f"snapshot {id_or_name}: unreadable manifest ({exc})") from exc
         for cp in self.list():
-            if cp.name == id_or_name and cp.kind == "snapshot":
+            if cp.name == id_or_name and cp.kind in LAUNCHABLE:
                 return cp
         raise SnapshotNotFound(id_or_name)
 

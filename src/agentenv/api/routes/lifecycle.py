@@ -100,12 +100,11 @@ async def create_snapshot(sandbox_id: str, request: Request) -> SnapshotInfo:
 
 
 @router.get("/snapshots", response_model=list[SnapshotInfo], response_model_exclude_none=True)
-async def list_snapshots(request: Request, sandboxID: str | None = None, name: str | None = None) -> list[SnapshotInfo]:  # noqa: N803
+async def list_snapshots(request: Request, sandboxID: str | None = None, name: str | None = None) -> list[SnapshotInfo]:
     return [SnapshotInfo.of(cp) for cp in _orch(request).list_snapshots(sandboxID, name)]
 
 
 @router.delete("/snapshots/{snapshot_id}", status_code=204, response_class=Response)
-@router.delete("/templates/{snapshot_id}", status_code=204, response_class=Response)
 async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
     await _orch(request).delete_snapshot(snapshot_id)
     return Response(status_code=204)

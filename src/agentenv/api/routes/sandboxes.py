@@ -1,5 +1,5 @@
 """Sandbox lifecycle routes, as E2B's control plane: create (v1 and v2), list (v1 and v2),
-get, kill, timeout, refresh, network, metrics; templates. See docs/api.md."""
+get, kill, timeout, refresh, network, metrics. Templates: routes/templates.py. See docs/api.md."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Annotated, Any
 from urllib.parse import unquote
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.responses import JSONResponse
 
 from agentenv.api.models import (
     ListedSandbox,
@@ -21,9 +20,7 @@ from agentenv.api.models import (
     Sandbox,
     SandboxDetail,
     SandboxMetric,
-    TemplateInfo,
     TimeoutRequest,
-    rfc3339,
 )
 from agentenv.errors import InvalidRequest, RequestError
 from agentenv.orchestrator import Orchestrator, SandboxRecord, State
@@ -263,30 +260,3 @@ async def sandbox_metrics(sandbox_id: str, request: Request, start: int | None =
                           end: int | None = None) -> list[SandboxMetric]:
     points = await _orch(request).metrics(sandbox_id, start, end)
     return [SandboxMetric.of(m) for m in points]
-
-
-# -- templates ------------------------------------------------------------------------------
-
-def _template_info(orch: Orchestrator, name: str) -> TemplateInfo:
-    t = orch.catalog.get(name)
-    at = rfc3339(orch.template_created_at(t.name))
-    return TemplateInfo(templateID=t.name, buildID=t.name, aliases=[t.name], names=[t.name], cpuCount=t.vcpus,
-                        memoryMB=t.memory_mb, diskSizeMB=t.disk_mb, createdAt=at, updatedAt=at)
-
-
-@router.get("/templates", response_model=list[TemplateInfo])
-async def list_templates(request: Request) -> list[TemplateInfo]:
-    orch = _orch(request)
-    return [_template_info(orch, t.name) for t in orch.templates()]
-
-
-@router.get("/templates/aliases/{alias}")
-async def template_alias(alias: str, request: Request) -> JSONResponse:
-    """``Template.exists(name)``: 200 if a template has this name or alias, else 404."""
-    t = _orch(request).catalog.get(alias)  # TemplateNotFound → 404
-    return JSONResponse({"templateID": t.name, "public": True})
-
-
-@router.get("/templates/{template_id}", response_model=TemplateInfo)
-async def get_template(template_id: str, request: Request) -> TemplateInfo:
-    return _template_info(_orch(request), template_id)

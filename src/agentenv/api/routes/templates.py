@@ -1,0 +1,258 @@
+"""Template routes, as E2B's control plane: list/get/alias/delete, and builds from steps
+(build system v2: ``POST /v3/templates``, file uploads for COPY, ``POST
+/v2/templates/{id}/builds/{buildID}``, build status). See docs/api.md and
+docs/mechanisms/template-builds.md."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentenv.api.models import TemplateInfo, rfc3339
+from agentenv.errors import InvalidRequest, NotFound, RequestError
+from agentenv.orchestrator import Orchestrator
+from agentenv.orchestrator.builds import BuildRecord, LogEntry, TemplateEntry
+
+router = APIRouter()
+# The upload of COPY files: the SDK PUTs to the url it was given, without the API key (as to
+# a pre-signed S3 url), so that url carries its own token.
+uploads = APIRouter()
+
+
+def _orch(request: Request) -> Orchestrator:
+    return request.app.state.orch  # type: ignore[no-any-return]
+
+
+# -- wire models ----------------------------------------------------------------------------
+
+class TemplateBuildRequest(BaseModel):
+    """TemplateBuildRequestV3 (``name``) and the legacy V2 (``alias``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str | None = None
+    alias: str | None = None
+    tags: list[str] | None = None
+    cpuCount: int | None = None
+    memoryMB: int | None = None
+    minFreeDiskMb: int | None = None
+    teamID: str | None = None
+
+
+class TemplateRequestResponse(BaseModel):
+    templateID: str
+    buildID: str
+    public: bool = True
+    names: list[str]
+    tags: list[str]
+    aliases: list[str]
+
+
+class FileUpload(BaseModel):
+    present: bool
+    url: str | None = None
+
+
+class BuildLogEntry(BaseModel):
+    timestamp: str
+    message: str
+    level: str
+    step: str | None = None
+
+    @classmethod
+    def of(cls, e: LogEntry) -> BuildLogEntry:
+        return cls(timestamp=rfc3339(e.timestamp), message=e.message, level=e.level, step=e.step)
+
+
+class BuildStatusReason(BaseModel):
+    message: str
+    step: str | None = None
+    logEntries: list[BuildLogEntry] | None = None
+
+
+class TemplateBuildInfo(BaseModel):
+    templateID: str
+    buildID: str
+    status: str = Field(description="waiting | building | ready | error")
+    logs: list[str]
+    logEntries: list[BuildLogEntry]
+    reason: BuildStatusReason | None = None
+
+
+class TemplateTag(BaseModel):
+    tag: str
+    buildID: str
+    createdAt: str
+
+
+# -- template info --------------------------------------------------------------------------
+
+def _catalog_info(orch: Orchestrator, name: str) -> TemplateInfo:
+    t = orch.catalog.get(name)
+    at = rfc3339(orch.template_created_at(t.name))
+    return TemplateInfo(templateID=t.name, buildID=t.name, aliases=[t.name], names=[t.name], cpuCount=t.vcpus,
+                        memoryMB=t.memory_mb, diskSizeMB=t.disk_mb, createdAt=at, updatedAt=at)
+
+
+def _built_info(t: TemplateEntry) -> TemplateInfo:
+    return TemplateInfo(templateID=t.template_id, buildID=t.build_id, aliases=[t.template_id],
+                        names=[t.template_id], cpuCount=t.vcpus, memoryMB=t.memory_mb, diskSizeMB=t.disk_mb,
+                        createdAt=rfc3339(t.created_at), updatedAt=rfc3339(t.updated_at),
+                        buildCount=t.build_count, buildStatus="ready")
+
+
+def _pending_info(orch: Orchestrator, b: BuildRecord) -> TemplateInfo:
+    at = rfc3339(b.created_at)
+    return TemplateInfo(templateID=b.template_id, buildID=b.build_id, aliases=[b.template_id],
+                        names=[b.template_id], cpuCount=b.vcpus or 1, memoryMB=b.memory_mb or 512,
+                        diskSizeMB=0, createdAt=at, updatedAt=at, buildCount=0, buildStatus=b.status)
+
+
+def _info(orch: Orchestrator, template_id: str) -> TemplateInfo:
+    if orch.catalog.exists(template_id):
+        return _catalog_info(orch, template_id)
+    if orch.builds.exists(template_id):
+        return _built_info(orch.builds.template(template_id))
+    for b in orch.builds.pending():
+        if b.template_id == template_id:
+            return _pending_info(orch, b)
+    return _catalog_info(orch, template_id)  # TemplateNotFound → 404
+
+
+@router.get("/templates", response_model=list[TemplateInfo])
+async def list_templates(request: Request) -> list[TemplateInfo]:
+    """Built-in templates, built templates, and first builds still running or failed."""
+    orch = _orch(request)
+    out = [_catalog_info(orch, t.name) for t in orch.templates()]
+    out += [_built_info(t) for t in orch.builds.templates()]
+    out += [_pending_info(orch, b) for b in orch.builds.pending()]
+    return out
+
+
+@router.get("/templates/aliases/{alias}")
+async def template_alias(alias: str, request: Request) -> JSONResponse:
+    """``Template.exists(name)``: 200 if a template has this name or alias, else 404."""
+    orch = _orch(request)
+    if orch.builds.exists(alias):
+        return JSONResponse({"templateID": alias, "public": True})
+    t = orch.catalog.get(alias)  # TemplateNotFound → 404
+    return JSONResponse({"templateID": t.name, "public": True})
+
+
+@router.get("/templates/{template_id}", response_model=TemplateInfo)
+async def get_template(template_id: str, request: Request) -> TemplateInfo:
+    return _info(_orch(request), template_id)
+
+
+@router.delete("/templates/{template_id}", status_code=204, response_class=Response)
+async def delete_template(template_id: str, request: Request) -> Response:
+    """A built template (sandboxes started from it keep running), or a snapshot by id or
+    name (E2B deletes snapshot templates here too). Built-in templates cannot be deleted."""
+    orch = _orch(request)
+    if orch.catalog.exists(template_id):
+        await orch.delete_image_template(template_id)  # 400 for built-in ones (base)
+        return Response(status_code=204)
+    if orch.builds.exists(template_id) or orch.builds.builds_of(template_id):
+        await orch.builds.delete_template(template_id)
+    else:
+        await orch.delete_snapshot(template_id)
+    return Response(status_code=204)
+
+
+@router.get("/templates/{template_id}/tags", response_model=list[TemplateTag])
+async def template_tags(template_id: str, request: Request) -> list[TemplateTag]:
+    t = _orch(request).builds.template(template_id)
+    return [TemplateTag(tag=tag, buildID=t.build_id, createdAt=rfc3339(t.updated_at)) for tag in t.tags]
+
+
+# -- builds ---------------------------------------------------------------------------------
+
+async def _json(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw) if raw.strip() else model()
+    except ValidationError as exc:
+        parts = [f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()]
+        raise InvalidRequest("invalid request: " + "; ".join(parts)) from None
+
+
+@router.post("/v3/templates", status_code=202, response_model=TemplateRequestResponse)
+@router.post("/v2/templates", status_code=202, response_model=TemplateRequestResponse)
+@router.post("/templates", status_code=202, response_model=TemplateRequestResponse)
+async def request_build(request: Request) -> TemplateRequestResponse:
+    """A new build of template ``name`` (``name:tag`` adds a tag); started by the POST below."""
+    body: TemplateBuildRequest = await _json(request, TemplateBuildRequest)
+    name = body.name or body.alias
+    if not name:
+        raise InvalidRequest("name is required")
+    b = _orch(request).builds.request(name, tags=body.tags, vcpus=body.cpuCount, memory_mb=body.memoryMB)
+    return TemplateRequestResponse(templateID=b.template_id, buildID=b.build_id, names=[b.template_id],
+                                   tags=b.tags, aliases=[b.template_id])
+
+
+def upload_token(request: Request, files_hash: str) -> str:
+    key: str = request.app.state.api_key
+    return hmac.new(key.encode(), f"build-files/{files_hash}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+@router.get("/templates/{template_id}/files/{files_hash}", status_code=201, response_model=FileUpload,
+            response_model_exclude_none=True)
+async def file_upload_link(template_id: str, files_hash: str, request: Request) -> FileUpload:
+    """Whether the COPY files with this hash are stored; if not, where to PUT their tar(.gz)."""
+    builds = _orch(request).builds
+    if builds.has_upload(files_hash):
+        return FileUpload(present=True)
+    url = f"{str(request.base_url).rstrip('/')}/templates/{template_id}/files/{files_hash}" \
+          f"?token={upload_token(request, files_hash)}"
+    return FileUpload(present=False, url=url)
+
+
+@uploads.put("/templates/{template_id}/files/{files_hash}", status_code=204, response_class=Response)
+async def upload_files(template_id: str, files_hash: str, request: Request, token: str = "") -> Response:
+    """The tar(.gz) of a COPY step's files, stored as ``<data>/build-files/<hash>``."""
+    if not hmac.compare_digest(token.encode(), upload_token(request, files_hash).encode()):
+        return JSONResponse({"code": 403, "message": "missing or wrong upload token: use the url that "
+                                                     "GET /templates/{id}/files/{hash} returns"}, status_code=403)
+    orch = _orch(request)
+    limit = orch.settings.build_upload_max_mb << 20
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise InvalidRequest(f"the upload ({int(length) >> 20} MiB) is larger than the limit of "
+                             f"{limit >> 20} MiB (AENV_BUILD_UPLOAD_MAX_MB)")
+    await orch.builds.store_upload(files_hash, request.stream(), limit)
+    return Response(status_code=204)
+
+
+@router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202, response_class=Response)
+async def start_build(template_id: str, build_id: str, request: Request) -> Response:
+    """TemplateBuildStartV2: base, steps, startCmd, readyCmd; the build runs in the background."""
+    import json
+
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError as exc:
+        raise InvalidRequest(f"malformed JSON body: {exc}") from None
+    _orch(request).builds.start_build(template_id, build_id, body)
+    return Response(status_code=202)
+
+
+@router.get("/templates/{template_id}/builds/{build_id}/status", response_model=TemplateBuildInfo,
+            response_model_exclude_none=True)
+async def build_status(template_id: str, build_id: str, request: Request, logsOffset: int = 0,
+                       limit: int = 100, level: str | None = None) -> TemplateBuildInfo:
+    b = _orch(request).builds.build(template_id, build_id)
+    entries = [BuildLogEntry.of(e) for e in _orch(request).builds.entries(b, logsOffset, min(limit, 1000), level)]
+    reason = None
+    if b.reason:
+        tail = [BuildLogEntry.of(e) for e in b.logs[-20:] if e.level == "error" or e.step == b.reason.get("step")]
+        reason = BuildStatusReason(message=b.reason["message"], step=b.reason.get("step"), logEntries=tail)
+    return TemplateBuildInfo(templateID=b.template_id, buildID=b.build_id, status=b.status,
+                             logs=[e.message for e in entries], logEntries=entries, reason=reason)
+
+
+__all__ = ["NotFound", "RequestError", "router", "uploads"]
