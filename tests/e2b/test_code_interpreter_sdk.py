@@ -80,7 +80,7 @@ def test_server_restarts_after_being_killed(sdk: SDK, code_interpreter: str) -> 
         sb = Sandbox.create(timeout=300)
         try:
             before = sb.run_code("1 + 1").text
-            sb.commands.run("sudo pkill -9 -f code-interpreter/server.py || true")
+            sb.commands.run("sudo pkill -9 -f 'code-interpreter/serve[r].py'")  # [r]: not this shell
             after, deadline = None, time.monotonic() + 120
             while time.monotonic() < deadline:
                 try:

@@ -10,8 +10,10 @@ USER root
 RUN mkdir -p /opt/code-interpreter
 COPY server.py /opt/code-interpreter/server.py
 COPY kernel.py /opt/code-interpreter/kernel.py
+COPY supervise.sh /opt/code-interpreter/supervise.sh
+RUN chmod 755 /opt/code-interpreter/supervise.sh
 USER user
 WORKDIR /home/user
 # As E2B's, the server runs as root (kernels run as root, in /home/user); a crash restarts it.
-START_CMD sudo sh -c 'while true; do python3 -u /opt/code-interpreter/server.py --port 49999; sleep 0.5; done'
+START_CMD sudo /opt/code-interpreter/supervise.sh
 READY_CMD curl -sf http://127.0.0.1:49999/health
