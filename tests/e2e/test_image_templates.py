@@ -132,3 +132,37 @@ def test_cli_pull_then_start(node: ServerProcess, images) -> None:
                          timeout=120)
     assert out.returncode == 0 and "user:x:1000" in out.stdout, out.stderr
     subprocess.run([*aenv, "rm", sid], env=env, capture_output=True, timeout=120)
+
+
+def test_build_steps_on_an_image_without_bash(api: httpx.Client, images) -> None:
+    """fromImage: the build pulls the image, runs its steps in the image's /bin/sh, snapshots."""
+    from tests.e2e.test_template_build import request_build, wait_build
+
+    tid, bid = request_build(api, "bb-built")
+    r = api.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": images["busybox"].ref, "steps": [
+        {"type": "RUN", "args": ["echo built-in-image > /work/built.txt", "root"]},
+        {"type": "ENV", "args": ["STAGE", "two"]},
+    ]})
+    assert r.status_code == 202, r.text
+    st, entries = wait_build(api, tid, bid)
+    assert st["status"] == "ready", entries[-5:]
+    sid = _sandbox(api, "bb-built")
+    try:
+        out = run(api, sid, "cat /work/built.txt; echo $STAGE $AENV_TEST")
+        assert out["stdout"].split() == ["built-in-image", "two", "busybox"], out
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    assert api.delete("/templates/bb-built").status_code == 204
+
+
+def test_delete_image_template_keeps_running_sandboxes(api: httpx.Client, images) -> None:
+    assert api.post("/images/pull", json={"image": images["busybox"].ref, "name": "bb-del"}).status_code == 201
+    sid = _sandbox(api, "bb-del")
+    try:
+        assert api.delete("/templates/bb-del").status_code == 204
+        assert "bb-del" not in [t["templateID"] for t in api.get("/templates").json()]
+        assert api.post("/sandboxes", json={"templateID": "bb-del"}).status_code == 404
+        assert run(api, sid, "echo still")["stdout"] == "still\n"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    assert api.delete("/templates/base").status_code == 400

@@ -25,7 +25,7 @@ from agentenv.bench.e2b_sdk import (
     bench_e2b_transfer,
     bench_e2b_tti,
 )
-from agentenv.bench.images import bench_pull, make_pull_image
+from agentenv.bench.images import bench_pull, bench_template_build, make_pull_image
 from agentenv.bench.node import CACHE, LocalNode, pss_kb, qemu_pids
 from agentenv.bench.registry import LocalRegistry
 from agentenv.bench.saved_states import (
@@ -222,6 +222,8 @@ SCENARIOS: dict[str, Scenario] = {
     # issue #5: templates from images (bench/images.py)
     "pull_convert_s": bench_pull,
     "pull_cached_s": bench_pull,
+    "template_build_s": bench_template_build,
+    "template_rebuild_cached_s": bench_template_build,
 }
 IMAGE_SCENARIOS = (bench_pull,)  # these get the image pushed to the bench's loopback registry
 MACHINE_LEVEL = ("cold_boot_ms", "template_snapshot_ms", "create_coldboot_ms")
