@@ -372,9 +372,12 @@ class Orchestrator:
         self.snapshots.forget(name)
         for d in self.snapshots.dirs_of(name):
             await self.pool.forget(d)
+        await asyncio.to_thread(self.snapshots.remove_stale, self.catalog, self.template_snapshots_in_use())
+
+    def template_snapshots_in_use(self) -> set[str]:
+        """Template snapshot dirs and memory files that sandboxes or saved states start from."""
         bases = {r.record.base_dir for r in self._live.values()} | {cp.base for cp in self.repo.list()}
-        bases |= {str(r.machine.spec.mem_path) for r in self._live.values() if r.machine is not None}
-        await asyncio.to_thread(self.snapshots.remove_stale, self.catalog, bases)
+        return bases | {str(r.machine.spec.mem_path) for r in self._live.values() if r.machine is not None}
 
     def image_lock(self, key: str) -> asyncio.Lock:
         """One conversion at a time per output file (two pulls of one image wait for each other)."""
