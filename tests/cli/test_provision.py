@@ -46,7 +46,17 @@ def fake_builds(monkeypatch):
             built.append("rootfs")
         return out
 
+    def tools(cache, _tarball):
+        out = cache / "tools" / "tools-aaa.ext4"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(b"t")
+            built.append("tools")
+        return out
+
     monkeypatch.setattr(prov, "ensure_kernel", kernel)
+    monkeypatch.setattr(prov.rootfs, "debian_tarball", lambda cache: cache / "rootfs" / "debian-test.tar")
+    monkeypatch.setattr(prov.toolsdrive, "ensure_tools_drive", tools)
     monkeypatch.setattr(prov, "ensure_initramfs", initramfs)
     monkeypatch.setattr(prov.rootfs, "ensure_base_rootfs", rootfs)
     return built
@@ -60,17 +70,17 @@ def test_provision_writes_the_manifest_and_is_idempotent(tmp_path, fake_builds):
     artifacts = provision(cache, apt=False, progress=lines.append)
     assert len(lines) == len(STEPS) + 1
     assert [line.split(":")[0] for line in lines[:-1]] == list(STEPS)
-    assert fake_builds == ["kernel", "initramfs", "rootfs"]
+    assert fake_builds == ["kernel", "initramfs", "rootfs", "tools"]
     assert json.loads((cache / "default.json").read_text()) == artifacts.to_json()
     assert artifacts_present(cache) == artifacts
     assert not (cache / "rootfs" / "base-old.ext4").exists()
-    assert "removed 1 old image" in lines[5]
+    assert "removed 1 old image" in lines[6]
     assert lines[-1].startswith("guest images ready")
 
     again: list[str] = []
     assert provision(cache, apt=False, progress=again.append) == artifacts
-    assert fake_builds == ["kernel", "initramfs", "rootfs"]
-    assert "cached" in again[1] and "cached" in again[2] and "cached" in again[3] and "unchanged" in again[4]
+    assert fake_builds == ["kernel", "initramfs", "rootfs", "tools"]
+    assert all("cached" in again[i] for i in (1, 2, 3, 4)) and "unchanged" in again[5]
     assert again[-1].startswith("everything was already provisioned")
     assert not list(cache.glob(".default.json*"))  # no temp file left behind
 
