@@ -76,6 +76,9 @@ def test_busybox_only_image_becomes_a_template_that_runs_commands(api: httpx.Cli
         assert out["exitCode"] == 0, out
         assert out["stdout"].split() == ["busybox", "/work", "1000", "busybox"]
         assert run(api, sid, "whoami", user="root")["stdout"].strip() == "root"
+        # The tools drive the agent runs from is not in the user's view, not even for root.
+        seen = run(api, sid, "ls -A /run/agentenv; grep -c agentenv /proc/self/mountinfo", user="root")
+        assert seen["stdout"].split() == ["0"], seen
         # files through the agent, into the image's own file system
         assert api.put(f"/sandboxes/{sid}/files", params={"path": "/work/note.txt"}, content=b"hello").status_code < 300
         assert run(api, sid, "cat /work/note.txt")["stdout"] == "hello"

@@ -58,6 +58,7 @@ from agentlib.common import (
     lookup_user,
     parse_json_object,
     set_tools_dir,
+    set_user_namespace,
 )
 from agentlib.files import FilesService
 from agentlib.fsutil import (
@@ -441,9 +442,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="AgentENV guest agent (envd-compatible)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--tools", default=None, help="the tools drive's mount point (bin/setpriv, ...)")
+    parser.add_argument("--tools", default=None, help="the tools drive's mount point (bin/aenv-spawn, ...)")
+    parser.add_argument("--user-ns", default=None, help="mount namespace file to start user processes in")
     args = parser.parse_args()
     set_tools_dir(args.tools)
+    set_user_namespace(args.user_ns)
     become_subreaper()
     asyncio.run(serve(args.host, args.port))
 

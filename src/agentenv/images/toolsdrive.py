@@ -6,7 +6,7 @@ The drive is mounted at ``/run/agentenv`` (``MOUNT``) in every guest and holds:
 
     init                 PID 1 after the initramfs: guest network, mounts, supervises the agent
     bin/busybox          static busybox for ``init`` (the image may have no shell at all)
-    bin/setpriv, setsid  util-linux, used by the agent to switch user / take a terminal
+    bin/aenv-spawn       static helper that starts user processes (guest/spawn.c, built here)
     lib/                 glibc's loader and every shared library the binaries need
     python/              CPython 3.11 (binary + standard library) that runs the agent
     agent/               the guest agent (``agent.py`` + ``agentlib/``)
@@ -38,13 +38,13 @@ _LOADER = "ld-linux-x86-64.so.2"
 # Parts of the standard library the agent never imports: 60% of its size.
 _STDLIB_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data",
                 "distutils", "unittest", "venv", "config-3.11-x86_64-linux-gnu", "__pycache__"}
-_UTIL_LINUX = ("setpriv", "setsid")
 
 
 def guest_files() -> dict[str, bytes]:
     """The drive's own files by path: the init and the agent (``agent.py`` + ``agentlib/``)."""
     g = resources.files("agentenv.guest")
-    files = {"init": g.joinpath("init.sh").read_bytes(), "agent/agent.py": g.joinpath("agent.py").read_bytes()}
+    files = {"init": g.joinpath("init.sh").read_bytes(), "agent/agent.py": g.joinpath("agent.py").read_bytes(),
+             "src/spawn.c": g.joinpath("spawn.c").read_bytes()}
     for module in sorted(g.joinpath("agentlib").iterdir(), key=lambda m: m.name):
         if module.name.endswith(".py"):
             files[f"agent/agentlib/{module.name}"] = module.read_bytes()
@@ -55,8 +55,9 @@ def ensure_tools_drive(cache: Path, debian_tarball: Path, busybox: Path = Path("
     """``<cache>/tools/tools-<version>.ext4`` (0444), built when any input changed."""
     if not busybox.exists():
         raise ProvisioningError(f"{busybox} not found: install busybox-static")
-    if shutil.which("patchelf") is None:
-        raise ProvisioningError("patchelf not found: install the Debian package patchelf (`aenv setup` does)")
+    for tool, package in (("patchelf", "patchelf"), ("gcc", "gcc and libc6-dev")):
+        if shutil.which(tool) is None:
+            raise ProvisioningError(f"{tool} not found: install the Debian package {package} (`aenv setup` does)")
     files = guest_files()
     version = inputs_hash(debian_tarball.name, busybox.read_bytes(),
                           *(k.encode() + v for k, v in sorted(files.items())))
@@ -68,8 +69,7 @@ def ensure_tools_drive(cache: Path, debian_tarball: Path, busybox: Path = Path("
         debian = Path(tmp) / "debian"
         debian.mkdir()
         run_sync(["tar", "-xf", str(debian_tarball), "-C", str(debian),
-                  f"./{_ARCH_LIBDIR}", f"./usr/lib/python{PYTHON_VERSION}", f"./usr/bin/python{PYTHON_VERSION}",
-                  *(f"./usr/bin/{b}" for b in _UTIL_LINUX)])
+                  f"./{_ARCH_LIBDIR}", f"./usr/lib/python{PYTHON_VERSION}", f"./usr/bin/python{PYTHON_VERSION}"])
         tree = Path(tmp) / "tree"
         _assemble(tree, debian, busybox, files, version)
         img = Path(tmp) / "tools.ext4"
@@ -103,9 +103,7 @@ def _assemble(tree: Path, debian: Path, busybox: Path, files: dict[str, bytes], 
     stdlib = debian / f"usr/lib/python{PYTHON_VERSION}"
     shutil.copytree(stdlib, py / "lib" / f"python{PYTHON_VERSION}", symlinks=True,
                     ignore=lambda _d, names: [n for n in names if n in _STDLIB_SKIP or n.endswith(".pyc")])
-    for b in _UTIL_LINUX:
-        shutil.copy2(debian / "usr/bin" / b, tree / "bin" / b)
-    elfs = [py / "bin" / "python3", *(tree / "bin" / b for b in _UTIL_LINUX)]
+    elfs = [py / "bin" / "python3"]
     dynload = sorted((py / "lib" / f"python{PYTHON_VERSION}" / "lib-dynload").glob("*.so"))
     _copy_libraries(tree / "lib", debian / _ARCH_LIBDIR, [*elfs, *dynload])
     for exe in elfs:
@@ -116,6 +114,8 @@ def _assemble(tree: Path, debian: Path, busybox: Path, files: dict[str, bytes], 
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
         p.chmod(0o755 if rel == "init" else 0o644)
+    run_sync(["gcc", "-static", "-Os", "-s", "-Wall", "-Werror", "-o", str(tree / "bin" / "aenv-spawn"),
+              str(tree / "src" / "spawn.c")])
     (tree / "VERSION").write_text(version + "\n")
 
 

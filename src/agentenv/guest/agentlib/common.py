@@ -127,6 +127,20 @@ def tool(name: str) -> str | None:
     return _tool_cache[name]
 
 
+_user_ns: str | None = None
+
+
+def set_user_namespace(path: str | None) -> None:
+    global _user_ns
+    _user_ns = path
+
+
+def user_namespace() -> str | None:
+    """The mount namespace user processes start in (``--user-ns``, the guest init passes PID 1's:
+    the agent's own has the tools drive, that one does not), or None: the agent's own."""
+    return _user_ns
+
+
 def fallback_shell(cmd: str, path: str) -> str | None:
     """What to run for ``cmd`` when it is bash and the image has none (alpine, busybox,
     distroless): SDKs always ask for ``/bin/bash -l -c``. The image's ``/bin/sh`` if it has

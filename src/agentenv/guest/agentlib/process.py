@@ -35,6 +35,7 @@ from .common import (
     fallback_shell,
     log,
     tool,
+    user_namespace,
 )
 from .fsutil import chown_to
 
@@ -231,20 +232,38 @@ class ProcessManager:
         kwargs: dict[str, Any] = {"cwd": cwd, "env": env, "bufsize": 0, "close_fds": True}
         cmd = fallback_shell(cmd, env["PATH"]) or cmd
         argv_prefix: list[str] = []
-        if (user.uid, user.gid, set(user.groups)) == (os.geteuid(), os.getegid(), set(os.getgroups())):
+        pty_cfg = msg.get("pty")
+        switch = (user.uid, user.gid, set(user.groups)) != (os.geteuid(), os.getegid(), set(os.getgroups()))
+        if switch and os.geteuid() != 0:
+            raise ConnectError("permission_denied", "the agent is not root and cannot switch users")
+        if (spawner := tool("aenv-spawn")) is not None:
+            # In a sandbox: the tools drive's static helper enters PID 1's mount namespace (the
+            # image without the tools drive), the working directory, the user and the terminal,
+            # then execs the command; Popen still vforks (see guest/spawn.c).
+            if "/" not in cmd and shutil.which(cmd, path=env["PATH"]) is None:
+                raise ConnectError("internal", f"error starting process '{cmd}': no such executable")
+            argv_prefix = [spawner]
+            if (ns := user_namespace()) is not None:
+                argv_prefix += ["--ns", ns, "--cwd", cwd]
+            if switch:
+                argv_prefix += ["--user", f"{user.uid}:{user.gid}:{','.join(str(g) for g in user.groups)}"]
+            if isinstance(pty_cfg, dict):
+                argv_prefix.append("--ctty")
+            if cmd.startswith(os.path.dirname(spawner) + "/"):
+                argv_prefix.append("--preopen")  # a tools-drive program (fallback shell): not in the user's view
+            argv_prefix.append("--")
+        elif not switch:
             pass  # no switch needed; leaving user= unset also lets Popen use the much faster vfork
-        elif os.geteuid() == 0 and (setpriv := tool("setpriv")):
+        elif setpriv := tool("setpriv"):
             # setpriv switches user in the child's exec chain, so Popen can still vfork: a full
             # fork of this (Python) process is several times slower, most of all under TCG.
             if "/" not in cmd and shutil.which(cmd, path=env["PATH"]) is None:
                 raise ConnectError("internal", f"error starting process '{cmd}': no such executable")
             groups = ",".join(str(g) for g in user.groups) or str(user.gid)
             argv_prefix = [setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", f"--groups={groups}", "--"]
-        elif os.geteuid() == 0:
-            kwargs.update(user=user.uid, group=user.gid, extra_groups=user.groups)
         else:
-            raise ConnectError("permission_denied", "the agent is not root and cannot switch users")
-        argv, master, pty_cfg = [*argv_prefix, cmd, *args], None, msg.get("pty")
+            kwargs.update(user=user.uid, group=user.gid, extra_groups=user.groups)
+        argv, master = [*argv_prefix, cmd, *args], None
         try:
             if isinstance(pty_cfg, dict):
                 master, slave = pty.openpty()
@@ -252,7 +271,9 @@ class ProcessManager:
                 set_winsize(master, size.get("cols", 80), size.get("rows", 24))
                 chown_to(slave, user)
                 # `setsid --ctty` makes the pty the controlling terminal without a preexec_fn.
-                if (setsid := tool("setsid")) is not None:
+                if spawner is not None:
+                    pass  # --ctty above
+                elif (setsid := tool("setsid")) is not None:
                     argv = [setsid, "--ctty", *argv]
                 else:
                     kwargs["start_new_session"] = True
