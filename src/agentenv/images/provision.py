@@ -23,7 +23,7 @@ from agentenv.images.kernel import Kernel, ensure_kernel
 
 HOST_PACKAGES = (
     "qemu-system-x86", "qemu-utils", "busybox-static", "mmdebstrap", "e2fsprogs", "iproute2", "nftables", "cpio",
-    "patchelf", "skopeo", "umoci",
+    "patchelf", "skopeo", "umoci", "gcc", "libc6-dev",
 )
 
 # Titles of the steps, in order. ``progress`` is called once after each of them with a line
