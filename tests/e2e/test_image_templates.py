@@ -35,7 +35,8 @@ def registries() -> Iterator[tuple[LocalRegistry, LocalRegistry]]:
 def images(registries: tuple[LocalRegistry, LocalRegistry]) -> dict[str, BuiltImage]:
     open_, private = registries
     return {"busybox": build_busybox_image(open_, "tiny/busybox"), "debian": build_debian_image(open_, "debian"),
-            "private": build_busybox_image(private, "team/secret")}
+            "private": build_busybox_image(private, "team/secret"),
+            "distroless": build_busybox_image(open_, "distroless/app", shell=False)}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,20 @@ def test_busybox_only_image_becomes_a_template_that_runs_commands(api: httpx.Cli
         # files through the agent, into the image's own file system
         assert api.put(f"/sandboxes/{sid}/files", params={"path": "/work/note.txt"}, content=b"hello").status_code < 300
         assert run(api, sid, "cat /work/note.txt")["stdout"] == "hello"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_image_with_no_shell_at_all_still_runs_commands(api: httpx.Client, images) -> None:
+    """distroless: no /bin, no sh. SDK-style `bash -l -c` requests run in the tools drive's
+    busybox sh (exec'd by descriptor into the user's view, which still has no tools drive)."""
+    assert api.post("/images/pull", json={"image": images["distroless"].ref, "name": "nosh"}).status_code == 201
+    sid = _sandbox(api, "nosh")
+    try:
+        out = run(api, sid, "echo $((6*7)) $AENV_TEST; [ -e /bin ] || echo no-bin; busybox id -u")
+        assert out["exitCode"] == 0, out
+        assert out["stdout"].split() == ["42", "distroless", "no-bin", "1000"], out
+        assert run(api, sid, ["/app/busybox", "echo", "direct"])["stdout"] == "direct\n"
     finally:
         api.delete(f"/sandboxes/{sid}")
 

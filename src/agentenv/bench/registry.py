@@ -170,22 +170,28 @@ def _configure(layout: Path, env: dict[str, str], workdir: str, cmd: list[str]) 
 BUSYBOX_APPLETS = ("sh", "ls", "cat", "echo", "id", "env", "mkdir", "rm", "true")
 
 
-def build_busybox_image(registry: LocalRegistry, name: str, tag: str = "1") -> BuiltImage:
-    """An image of only a static busybox (+ applet links) and a root-only /etc/passwd."""
+def build_busybox_image(registry: LocalRegistry, name: str, tag: str = "1", *, shell: bool = True) -> BuiltImage:
+    """An image of only a static busybox (+ applet links) and a root-only /etc/passwd. With
+    ``shell=False`` a distroless-like one: the binary is /app/busybox, there is no /bin at all."""
     tmp = _mkdtemp("aenv-img-")
     try:
         layout, tree = tmp / "layout", tmp / "tree"
-        (tree / "bin").mkdir(parents=True)
-        (tree / "etc").mkdir()
-        shutil.copy2("/bin/busybox", tree / "bin" / "busybox")
-        for applet in BUSYBOX_APPLETS:
-            (tree / "bin" / applet).symlink_to("busybox")
-        (tree / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+        (tree / "etc").mkdir(parents=True)
+        if shell:
+            (tree / "bin").mkdir()
+            shutil.copy2("/bin/busybox", tree / "bin" / "busybox")
+            for applet in BUSYBOX_APPLETS:
+                (tree / "bin" / applet).symlink_to("busybox")
+        else:
+            (tree / "app").mkdir()
+            shutil.copy2("/bin/busybox", tree / "app" / "busybox")
+        (tree / "etc" / "passwd").write_text("root:x:0:0:root:/root:/sbin/nologin\n")
         (tree / "etc" / "group").write_text("root:x:0:\n")
         for argv in (["umoci", "init", "--layout", str(layout)], ["umoci", "new", "--image", f"{layout}:img"],
                      ["umoci", "insert", "--image", f"{layout}:img", str(tree), "/"]):
             subprocess.run(argv, check=True, capture_output=True)
-        _configure(layout, {"PATH": "/bin", "AENV_TEST": "busybox"}, "/work", ["/bin/sh", "-c", "echo hi"])
+        _configure(layout, {"PATH": "/bin" if shell else "/app", "AENV_TEST": "busybox" if shell else "distroless"},
+                   "/work", ["/bin/sh", "-c", "echo hi"] if shell else ["/app/busybox"])
         return _push(registry, layout, name, tag)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

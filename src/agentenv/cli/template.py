@@ -19,7 +19,8 @@ from agentenv.cli.context import CliError
 from agentenv.cli.dockerfile import BuildFileError, files_hash, parse, tar_gz
 from agentenv.cli.output import Column, OutputOption, choose_format, console, render
 
-app = typer.Typer(help="Templates sandboxes start from: list, build, remove.", no_args_is_help=True)
+app = typer.Typer(help="Templates sandboxes start from: list, build, remove (`aenv pull IMAGE` makes one "
+                       "from an OCI image).", no_args_is_help=True)
 
 TEMPLATE_COLUMNS = [
     Column("TEMPLATE", lambda t: t["templateID"], style="cyan"),
