@@ -299,6 +299,16 @@ class EnvdClient:
             raise _error_from_body(resp.status_code, resp.content)
         self.access_token = access_token
 
+    async def warm_up(self) -> None:
+        """A trivial command as the default user and as root, the way SDKs run commands
+        (``bash -l -c``; the agent falls back to the image's sh, or its own when the image has
+        no shell): its code paths get translated (TCG) and paged in before a user needs them."""
+        for user in (None, "root"):
+            res = await self.run(["/bin/bash", "-l", "-c", "true"], user=user)
+            if res.exit_code != 0:
+                raise EnvdError("internal", f"warm-up command failed as {user or 'the default user'}: "
+                                            f"exit {res.exit_code}: {res.stderr[-300:].decode(errors='replace')}")
+
     async def resume(self, env_vars: dict[str, str] | None = None) -> None:
         """``POST /init`` with the current clock (and env vars) only: for a guest that already
         has its identity and was frozen since (a primed warm-pool sandbox)."""

@@ -28,7 +28,7 @@ fi
 [ -n "$DNS" ] && echo "nameserver $DNS" > /etc/resolv.conf
 [ -f /etc/hosts ] || printf '127.0.0.1 localhost\n127.0.1.1 sandbox\n' > /etc/hosts
 
-# The agent (and this loop that restarts it) runs in a mount namespace of its own, the only one
+# The agent (and agent-loop, which restarts it) runs in a mount namespace of its own, the only one
 # with the tools drive. PID 1 stays in the original namespace, where the drive is then
 # unmounted: user processes (started by the agent in PID 1's namespace, guest/spawn.c) see only
 # the image plus /proc, /dev, /sys, /tmp and /run. Mounts made later in the user's namespace
@@ -37,12 +37,7 @@ fi
 $bb mount --make-rshared /
 $bb mount --make-private /run
 $bb mount --make-private $T
-$bb unshare -m --propagation slave $bb sh -c "
-    while true; do
-        $T/python/bin/python3 -E -s -S -u $T/agent/agent.py --host 0.0.0.0 --port 49983 --tools $T --user-ns /proc/1/ns/mnt
-        echo \"aenv-init: agent exited with \$?, restarting\"
-        $bb sleep 0.2
-    done" >/dev/console 2>&1 &
+$bb unshare -m --propagation slave $T/agent-loop >/dev/console 2>&1 &
 AGENT=$!
 # Unmount only once the agent's namespace exists (it is a copy of this one at that moment).
 while [ "$($bb readlink /proc/$AGENT/ns/mnt)" = "$($bb readlink /proc/1/ns/mnt)" ]; do $bb usleep 1000; done

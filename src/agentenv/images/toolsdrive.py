@@ -4,7 +4,8 @@ distroless images work as well as Debian ones).
 
 The drive is mounted at ``/run/agentenv`` (``MOUNT``) in every guest and holds:
 
-    init                 PID 1 after the initramfs: guest network, mounts, supervises the agent
+    init                 PID 1 after the initramfs: guest network, mounts, the agent's namespace
+    agent-loop           runs the agent, again when it dies
     bin/busybox          static busybox for ``init`` (the image may have no shell at all)
     bin/aenv-spawn       static helper that starts user processes (guest/spawn.c, built here)
     lib/                 glibc's loader and every shared library the binaries need
@@ -43,7 +44,8 @@ _STDLIB_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to
 def guest_files() -> dict[str, bytes]:
     """The drive's own files by path: the init and the agent (``agent.py`` + ``agentlib/``)."""
     g = resources.files("agentenv.guest")
-    files = {"init": g.joinpath("init.sh").read_bytes(), "agent/agent.py": g.joinpath("agent.py").read_bytes(),
+    files = {"init": g.joinpath("init.sh").read_bytes(), "agent-loop": g.joinpath("agent-loop.sh").read_bytes(),
+             "agent/agent.py": g.joinpath("agent.py").read_bytes(),
              "src/spawn.c": g.joinpath("spawn.c").read_bytes()}
     for module in sorted(g.joinpath("agentlib").iterdir(), key=lambda m: m.name):
         if module.name.endswith(".py"):
@@ -113,7 +115,7 @@ def _assemble(tree: Path, debian: Path, busybox: Path, files: dict[str, bytes], 
         p = tree / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
-        p.chmod(0o755 if rel == "init" else 0o644)
+        p.chmod(0o755 if rel in ("init", "agent-loop") else 0o644)
     run_sync(["gcc", "-static", "-Os", "-s", "-Wall", "-Werror", "-o", str(tree / "bin" / "aenv-spawn"),
               str(tree / "src" / "spawn.c")])
     (tree / "VERSION").write_text(version + "\n")

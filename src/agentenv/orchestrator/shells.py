@@ -115,8 +115,7 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
             # The sandbox's identity: this shell is one VM of its own, so its entropy and
             # token are as fresh now as at activation (the clock is set again then).
             await envd.init(sandbox_id=sandbox_id, template_id=snapshot.template, env_vars={}, access_token=token)
-            await envd.run(["true"])
-            await envd.run(["true"], user="root")
+            await envd.warm_up()
         except EnvdError as exc:
             raise GuestError(f"restored guest agent did not answer within {restore_timeout_s:.0f}s "
                              f"({exc.message})") from exc

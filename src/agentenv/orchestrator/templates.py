@@ -222,8 +222,7 @@ class SnapshotBuilder:
                 # cache, agent heap) are in the shared template memory, not copied per sandbox.
                 await envd.init(sandbox_id="template", template_id=t.name, env_vars=t.env, access_token=None,
                                 default_user=t.user, default_workdir=t.workdir)
-                await envd.run(["true"])
-                await envd.run(["true"], user="root")
+                await envd.warm_up()
             t1 = time.monotonic()
             await machine.save_template_state(d / "state")
             snapshot_ms = (time.monotonic() - t1) * 1000
