@@ -122,3 +122,22 @@ def transfer(label: str, total: int | None) -> Iterator[Callable[[int], None]]:
     with progress:
         task = progress.add_task(label, total=total)
         yield lambda n: progress.advance(task, n)
+
+
+def delete_each(client: Any, paths: dict[str, str]) -> None:
+    """``DELETE`` every path (label → path): prints each label deleted, an error line for each
+    that failed, and exits 1 if any did (the rest are still deleted)."""
+    from agentenv.cli.context import CliError
+
+    err = console(stderr=True)
+    failures = 0
+    for label, path in paths.items():
+        try:
+            client.call("DELETE", path)
+        except CliError as exc:
+            failures += 1
+            err.print(f"error: {exc}", markup=False)
+        else:
+            typer.echo(label)
+    if failures:
+        raise typer.Exit(1)

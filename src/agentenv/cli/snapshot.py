@@ -15,12 +15,12 @@ import typer
 from typer.core import TyperGroup
 
 from agentenv.cli.client import client_for
-from agentenv.cli.context import CliError
 from agentenv.cli.output import (
     Column,
     OutputOption,
     choose_format,
     console,
+    delete_each,
     explicit_format,
     print_json,
     render,
@@ -106,16 +106,5 @@ def rm(
                                                    show_default=False)],
 ) -> None:
     """Delete snapshots (sandboxes already started from them are not affected)."""
-    err = console(stderr=True)
-    failures = 0
     with client_for(ctx) as client:
-        for snap in snapshots:
-            try:
-                client.call("DELETE", f"/snapshots/{snap}")
-            except CliError as exc:
-                failures += 1
-                err.print(f"error: {exc}", markup=False)
-            else:
-                typer.echo(snap)
-    if failures:
-        raise typer.Exit(1)
+        delete_each(client, {s: f"/snapshots/{s}" for s in snapshots})

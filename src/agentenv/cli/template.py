@@ -17,7 +17,14 @@ from rich.text import Text
 from agentenv.cli.client import client_for
 from agentenv.cli.context import CliError
 from agentenv.cli.dockerfile import BuildFileError, files_hash, parse, tar_gz
-from agentenv.cli.output import Column, OutputOption, choose_format, console, render
+from agentenv.cli.output import (
+    Column,
+    OutputOption,
+    choose_format,
+    console,
+    delete_each,
+    render,
+)
 
 app = typer.Typer(help="Templates sandboxes start from: list, build, remove (`aenv pull IMAGE` makes one "
                        "from an OCI image).", no_args_is_help=True)
@@ -182,16 +189,5 @@ def rm(
                                                show_default=False)],
 ) -> None:
     """Remove built templates (sandboxes already started from them keep running)."""
-    err = console(stderr=True)
-    failures = 0
     with client_for(ctx) as client:
-        for n in names:
-            try:
-                client.call("DELETE", f"/templates/{n}")
-            except CliError as exc:
-                failures += 1
-                err.print(f"error: {exc}", markup=False)
-            else:
-                typer.echo(n)
-    if failures:
-        raise typer.Exit(1)
+        delete_each(client, {n: f"/templates/{n}" for n in names})

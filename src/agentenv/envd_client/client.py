@@ -294,10 +294,13 @@ class EnvdClient:
             body["defaultUser"] = default_user
         if default_workdir:
             body["defaultWorkdir"] = default_workdir
+        await self._post_init(body)
+        self.access_token = access_token
+
+    async def _post_init(self, body: dict[str, Any]) -> None:
         resp = await self._request("POST", "/init", json=body, headers=self._headers())
         if not 200 <= resp.status_code < 300:
             raise _error_from_body(resp.status_code, resp.content)
-        self.access_token = access_token
 
     async def warm_up(self) -> None:
         """A trivial command as the default user and as root, the way SDKs run commands
@@ -315,9 +318,7 @@ class EnvdClient:
         body: dict[str, Any] = {"timestamp": time.time()}
         if env_vars:
             body["envVars"] = env_vars
-        resp = await self._request("POST", "/init", json=body, headers=self._headers())
-        if not 200 <= resp.status_code < 300:
-            raise _error_from_body(resp.status_code, resp.content)
+        await self._post_init(body)
 
     async def configure(self, *, env_vars: dict[str, str] | None = None, default_user: str | None = None,
                         default_workdir: str | None = None) -> None:
@@ -328,9 +329,7 @@ class EnvdClient:
             body["defaultUser"] = default_user
         if default_workdir:
             body["defaultWorkdir"] = default_workdir
-        resp = await self._request("POST", "/init", json=body, headers=self._headers())
-        if not 200 <= resp.status_code < 300:
-            raise _error_from_body(resp.status_code, resp.content)
+        await self._post_init(body)
 
     # ---- processes --------------------------------------------------------------------------
 
