@@ -255,6 +255,7 @@ async def test_auth_right_credentials(auth_registry, cache):
     built = build_busybox_image(auth_registry, "private")
     img = await pull(built.ref, cache, settings_for(auth_registry.host), username="alice", password="s3cret-pw")
     assert img.digest == built.digest
+    assert not list((cache / "oci").glob(".auth-*"))  # the auth file is gone after the pull
 
 
 @pytest.mark.parametrize("creds", [None, ("alice", "wrong-pw"), ("mallory", "s3cret-pw")])
@@ -269,16 +270,21 @@ async def test_auth_refused(auth_registry, cache, creds):
     assert "s3cret-pw" not in ei.value.message and "wrong-pw" not in ei.value.message
 
 
-async def test_password_never_in_unclassified_errors(auth_registry):
-    """An error we cannot classify carries argv and stderr: the password must be in neither.
+async def test_password_never_in_unclassified_errors_nor_on_command_lines(auth_registry, tmp_path):
+    """An error we cannot classify carries argv and stderr: the password must be in neither, and
+    skopeo gets it in a 0600 auth file, not as an argument (every host process can read argv).
     (A real skopeo failure nothing matches: an unknown flag.)"""
+    from agentenv.images.oci import _write_authfile
+
     ref = parse_reference(f"{auth_registry.host}/private:1")
+    authfile = _write_authfile(tmp_path, auth_registry.host, ("alice", "s3cret-pw"))
+    assert authfile.stat().st_mode & 0o777 == 0o600
     run_ = _Skopeo(ref, auth_registry.host, settings_for(auth_registry.host),
-                   asyncio.get_running_loop().time() + 30, ("alice", "s3cret-pw"))
+                   asyncio.get_running_loop().time() + 30, ("alice", "s3cret-pw"), authfile)
     with pytest.raises(ExternalCommandError) as ei:
-        await run_(["inspect", "--no-such-flag", *run_.args("--tls-verify", "--creds"), ref.on(auth_registry.host)])
+        await run_(["inspect", "--no-such-flag", *run_.args("--tls-verify", "--authfile"), ref.on(auth_registry.host)])
     assert "s3cret-pw" not in ei.value.message and "s3cret-pw" not in " ".join(ei.value.argv)
-    assert "s3cret-pw" not in ei.value.output and "--creds" in ei.value.argv
+    assert "s3cret-pw" not in ei.value.output and "--authfile" in ei.value.argv
 
 
 async def test_cache_path_with_colon_is_refused(registry, busybox, tmp_path):

@@ -11,6 +11,7 @@ re-hashed before it is reused, so a damaged one is dropped rather than converted
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import logging
@@ -178,13 +179,14 @@ class _Skopeo:
     """One pull's skopeo runs against one host: TLS choice, credentials, the shared deadline."""
 
     def __init__(self, ref: ImageRef, host: str, settings: RegistrySettings, deadline: float,
-                 creds: tuple[str, str] | None) -> None:
+                 creds: tuple[str, str] | None, authfile: Path | None) -> None:
         self.ref, self.host, self.settings, self.deadline, self.creds = ref, host, settings, deadline, creds
+        self.authfile = authfile if creds else None
 
-    def args(self, tls_flag: str, creds_flag: str) -> list[str]:
+    def args(self, tls_flag: str, authfile_flag: str) -> list[str]:
         a = [f"{tls_flag}=false"] if self.host in self.settings.insecure else []
-        if self.creds:
-            a += [creds_flag, f"{self.creds[0]}:{self.creds[1]}"]
+        if self.authfile:
+            a += [authfile_flag, str(self.authfile)]
         return a
 
     async def __call__(self, args: list[str]) -> bytes:
@@ -200,16 +202,15 @@ class _Skopeo:
         if res.returncode == 0:
             return res.stdout
         stderr, shown = res.stderr, list(argv)
-        if self.creds:
-            stderr = stderr.replace(self.creds[1], "***") if self.creds[1] else stderr
-            shown = [("***" if i and argv[i - 1] in ("--creds", "--src-creds") else a) for i, a in enumerate(argv)]
+        if self.creds and self.creds[1]:
+            stderr = stderr.replace(self.creds[1], "***")
         raise classify(stderr, ref=self.ref, host=self.host, argv=shown, returncode=res.returncode,
                        timeout_s=bound, credentials_given=self.creds is not None)
 
 
 async def _pull_from(run_: _Skopeo, root: Path) -> PulledImage:
     ref, host = run_.ref, run_.host
-    raw = await run_(["inspect", "--raw", *run_.args("--tls-verify", "--creds"), ref.on(host)])
+    raw = await run_(["inspect", "--raw", *run_.args("--tls-verify", "--authfile"), ref.on(host)])
     digest = "sha256:" + hashlib.sha256(raw).hexdigest()
     if ref.digest and digest != ref.digest:
         raise ImageCorrupt(f"{host} served a manifest for {ref} whose digest is {digest}")
@@ -219,7 +220,7 @@ async def _pull_from(run_: _Skopeo, root: Path) -> PulledImage:
     tmp = Path(tempfile.mkdtemp(prefix=f".pull-{layout.name[:12]}-", dir=root))
     try:
         pinned = ImageRef(ref.registry, ref.repository, None, digest)
-        await run_(["copy", "--quiet", *run_.args("--src-tls-verify", "--src-creds"),
+        await run_(["copy", "--quiet", *run_.args("--src-tls-verify", "--src-authfile"),
                     pinned.on(host), f"oci:{tmp}:{LAYOUT_TAG}"])
         (tmp / META).write_text(json.dumps({"digest": digest, "reference": str(ref), "source": host}))
         try:
@@ -240,8 +241,9 @@ async def pull(ref: str | ImageRef, cache: Path, settings: RegistrySettings, *,
     """Pull ``ref`` into ``<cache>/oci/<digest>`` (its mirror first, then its registry), or reuse
     the layout already there. The whole pull is bounded by ``settings.timeout_s``.
 
-    Credentials go to skopeo's ``--creds`` only (never written, never in an error message) and
-    only to the reference's own registry, not to mirrors.
+    Credentials go to skopeo in an auth file (mode 0600 in a private directory, removed after the
+    pull: a command-line argument would be readable by every process of the host), never into
+    an error message, and only to the reference's own registry, not to mirrors.
     """
     image_ref = ref if isinstance(ref, ImageRef) else parse_reference(ref, default_registry=settings.default_registry)
     if (username is None) != (password is None):
@@ -257,15 +259,33 @@ async def pull(ref: str | ImageRef, cache: Path, settings: RegistrySettings, *,
     if image_ref.digest and (cached := await _reuse(image_ref, layout_dir(cache, image_ref.digest), image_ref.digest)):
         return cached  # pinned and present: no registry round trip at all
     deadline = asyncio.get_running_loop().time() + settings.timeout_s
-    for host in settings.sources(image_ref):
-        origin = host == image_ref.registry
-        try:
-            return await _pull_from(_Skopeo(image_ref, host, settings, deadline, creds if origin else None), root)
-        except AgentenvError as exc:
-            if origin:
-                raise
-            log.warning("mirror %s failed for %s (%s); trying %s", host, image_ref, exc.message, image_ref.registry)
-    raise AssertionError("sources() always ends with the registry itself")
+    authdir = Path(tempfile.mkdtemp(prefix=".auth-", dir=root)) if creds else None  # mkdtemp: mode 0700
+    try:
+        authfile = _write_authfile(authdir, image_ref.registry, creds) if authdir and creds else None
+        for host in settings.sources(image_ref):
+            origin = host == image_ref.registry
+            try:
+                return await _pull_from(_Skopeo(image_ref, host, settings, deadline, creds if origin else None,
+                                                authfile), root)
+            except AgentenvError as exc:
+                if origin:
+                    raise
+                log.warning("mirror %s failed for %s (%s); trying %s", host, image_ref, exc.message,
+                            image_ref.registry)
+        raise AssertionError("sources() always ends with the registry itself")
+    finally:
+        if authdir is not None:
+            shutil.rmtree(authdir, ignore_errors=True)
+
+
+def _write_authfile(directory: Path, registry: str, creds: tuple[str, str]) -> Path:
+    """containers-auth.json(5) with one entry, readable only by us."""
+    path = directory / "auth.json"
+    token = base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"auths": {registry: {"auth": token}}}, f)
+    return path
 
 
 # ---------------------------------------------------------------- conversion
