@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,7 +37,8 @@ def images(registries: tuple[LocalRegistry, LocalRegistry]) -> dict[str, BuiltIm
     open_, private = registries
     return {"busybox": build_busybox_image(open_, "tiny/busybox"), "debian": build_debian_image(open_, "debian"),
             "private": build_busybox_image(private, "team/secret"),
-            "distroless": build_busybox_image(open_, "distroless/app", shell=False)}
+            "distroless": build_busybox_image(open_, "distroless/app", shell=False),
+            "short-lived": build_busybox_image(open_, "short/lived", tag="2")}
 
 
 @pytest.fixture(scope="module")
@@ -173,14 +175,32 @@ def test_build_steps_on_an_image_without_bash(api: httpx.Client, images) -> None
     assert api.delete("/templates/bb-built").status_code == 204
 
 
-def test_delete_image_template_keeps_running_sandboxes(api: httpx.Client, images) -> None:
-    assert api.post("/images/pull", json={"image": images["busybox"].ref, "name": "bb-del"}).status_code == 201
+def _age(paths: list[Path]) -> None:
+    """Make files look older than the 10 minutes a pull in progress is protected for."""
+    for p in paths:
+        os.utime(p, (1_000_000_000, 1_000_000_000))
+
+
+def test_delete_image_template_keeps_running_sandboxes_then_frees_the_image(api: httpx.Client, images,
+                                                                            node: ServerProcess) -> None:
+    digest = images["short-lived"].digest.removeprefix("sha256:")
+    assert api.post("/images/pull", json={"image": images["short-lived"].ref, "name": "bb-del"}).status_code == 201
+    store = node.data_dir / "images"
+    ext4 = [p for p in (store / "rootfs").glob(f"oci-{digest[:16]}-*.ext4")]
+    assert len(ext4) == 1 and (store / "oci" / digest).is_dir()
     sid = _sandbox(api, "bb-del")
     try:
+        _age([ext4[0], store / "oci" / digest])
         assert api.delete("/templates/bb-del").status_code == 204
         assert "bb-del" not in [t["templateID"] for t in api.get("/templates").json()]
         assert api.post("/sandboxes", json={"templateID": "bb-del"}).status_code == 404
         assert run(api, sid, "echo still")["stdout"] == "still\n"
+        assert ext4[0].exists()  # the running sandbox's disk chain ends in it
     finally:
         api.delete(f"/sandboxes/{sid}")
+    # The next deletion frees what nothing uses any more: the template snapshot, the image.
+    assert api.post("/images/pull", json={"image": images["busybox"].ref, "name": "bb-tmp"}).status_code == 201
+    assert api.delete("/templates/bb-tmp").status_code == 204
+    assert not ext4[0].exists() and not (store / "oci" / digest).exists()
+    assert not list((node.data_dir / "templates").glob("bb-del/snapshots/*/meta.json"))
     assert api.delete("/templates/base").status_code == 400

@@ -9,8 +9,10 @@ recorded with the template; Env, WorkingDir and User become the defaults of its 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
+import shutil
 import time
 from typing import TYPE_CHECKING
 
@@ -72,3 +74,31 @@ async def pull(orch: Orchestrator, image: str, *, name: str | None = None, usern
     await asyncio.to_thread(orch.catalog.put, template)
     log.info("template %s from %s (%s) in %.1f s", name, pulled.ref, pulled.digest[:19], time.monotonic() - t0)
     return template
+
+
+def remove_unused_images(orch: Orchestrator) -> list[str]:
+    """Delete converted images (ext4) and OCI layouts that no template uses any more. A base
+    image stays while a template snapshot built on it exists (a running sandbox's disk chain
+    ends in it; such snapshots go with ``SnapshotBuilder.remove_stale`` once unused)."""
+    root = orch.settings.data_dir / "images"
+    in_use = {str(t.artifacts.rootfs) for t in orch.catalog.list()}
+    for meta in orch.snapshots.root.glob("*/snapshots/*/meta.json"):
+        try:
+            in_use.add(json.loads(meta.read_text())["rootfs"])
+        except (OSError, ValueError, KeyError):
+            continue
+    digests = {(t.image or {}).get("digest", "") for t in orch.catalog.list()}
+    fresh = time.time() - 600  # a pull in progress has converted but not registered yet
+    removed = []
+    for ext4 in (root / "rootfs").glob("*.ext4"):
+        if str(ext4) not in in_use and ext4.stat().st_mtime < fresh:
+            ext4.chmod(0o644)
+            ext4.unlink(missing_ok=True)
+            removed.append(str(ext4))
+    for layout in (root / "oci").glob("[0-9a-f]*"):
+        if f"sha256:{layout.name}" not in digests and layout.stat().st_mtime < fresh:
+            shutil.rmtree(layout, ignore_errors=True)
+            removed.append(str(layout))
+    for path in removed:
+        log.info("removed unused image %s", path)
+    return removed

@@ -373,6 +373,9 @@ class Orchestrator:
         for d in self.snapshots.dirs_of(name):
             await self.pool.forget(d)
         await asyncio.to_thread(self.snapshots.remove_stale, self.catalog, self.template_snapshots_in_use())
+        from agentenv.orchestrator.pulling import remove_unused_images
+
+        await asyncio.to_thread(remove_unused_images, self)
 
     def template_snapshots_in_use(self) -> set[str]:
         """Template snapshot dirs and memory files that sandboxes or saved states start from."""
