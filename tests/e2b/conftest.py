@@ -24,10 +24,10 @@ import pytest
 
 from agentenv.network import remove_slots_in
 from tests.framework.net import node_cidr
+from tests.framework.sdk import LAUNCHER, SDK_CACHE
 from tests.framework.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-SDK_CACHE = Path(os.environ.get("AENV_SDK_CACHE", "/var/lib/agentenv/cache/sdk-venvs"))
 PY_LATEST, PY_245, PY_1X = "2.63.0", "2.45.1", "1.11.1"
 JS_VERSION = "2.51.0"
 DOMAIN = "aenv.test"
@@ -67,20 +67,6 @@ def api(e2b_server: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
-_LAUNCHER = """\
-import os, runpy, sys, traceback
-try:
-    runpy.run_path(sys.argv[1], run_name="__main__")
-    code = 0
-except SystemExit as exc:
-    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-except BaseException:
-    traceback.print_exc()
-    code = 1
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
-"""
 
 
 @dataclass
@@ -102,12 +88,9 @@ class SDK:
         """Run ``program`` in the venv ``<venv>-<version>`` (``py``: e2b, ``ci``: e2b-code-interpreter)."""
         path = self.tmp / f"prog_{abs(hash(program))}.py"
         path.write_text(textwrap.dedent(program))
-        # The program runs under a launcher that leaves with os._exit once it is done: the
-        # SDK's async machinery sometimes aborts CPython's interpreter finalization
-        # ("PyGILState_Release ... finalizing", exit -6) after all its work and output. An
-        # exception in the program still exits 1 with its traceback.
+        # under the launcher of tests/framework/sdk.py (leaves with os._exit once done)
         launcher = self.tmp / "launch.py"
-        launcher.write_text(_LAUNCHER)
+        launcher.write_text(LAUNCHER)
         return self._run([*wrap, str(self.cache / f"{venv}-{version}" / "bin" / "python"), str(launcher), str(path)],
                          timeout, env)
 

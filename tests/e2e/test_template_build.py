@@ -28,7 +28,7 @@ HTTP_READY = '[ -n "$(ss -Htuln sport = :8000)" ]'  # what the E2B SDK's wait_fo
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Its own node: one test restarts it."""
-    s = ServerProcess(tmp_path_factory.mktemp("buildnode") / "data", node_cidr(21, 24))
+    s = ServerProcess(tmp_path_factory.mktemp("buildnode") / "data", node_cidr(27, 24))
     s.start()
     yield s
     s.kill_all()

@@ -29,25 +29,12 @@ from typing import ClassVar
 import httpx
 import pytest
 
+from tests.framework.sdk import LAUNCHER, SDK_CACHE
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "src" / "agentenv" / "guest" / "code_interpreter" / "server.py"
-SDK_CACHE = Path(os.environ.get("AENV_SDK_CACHE", "/var/lib/agentenv/cache/sdk-venvs"))
 CI_VERSION = "2.11.5"
 
-_LAUNCHER = """\
-import os, runpy, sys, traceback
-try:
-    runpy.run_path(sys.argv[1], run_name="__main__")
-    code = 0
-except SystemExit as exc:
-    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-except BaseException:
-    traceback.print_exc()
-    code = 1
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
-"""
 
 
 def _free_port() -> int:
@@ -135,7 +122,7 @@ def run_sdk(ci_server: CIServer, sdk_python: Path, tmp_path: Path):
         prog.write_text("import json\nfrom e2b_code_interpreter import Sandbox\nsbx = Sandbox.create()\n"
                         + textwrap.dedent(program))
         launcher = tmp_path / "launch.py"
-        launcher.write_text(_LAUNCHER)
+        launcher.write_text(LAUNCHER)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "PYTHON", "VIRTUAL_ENV"))}
         env.update(E2B_DEBUG="true", E2B_SANDBOX_URL=ci_server.url, E2B_API_KEY="unused")
         r = subprocess.run([str(sdk_python), str(launcher), str(prog)], env=env, capture_output=True, text=True,

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from agentenv.api.models import ExecRequest, ExecResult
-from agentenv.api.routes.sandboxes import _orch
+from agentenv.api.routes import orch_of
 from agentenv.envd_client import EnvdError
 
 router = APIRouter()
@@ -24,7 +24,7 @@ def _timeout(t: float | None) -> float | None:
 
 @router.post("/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
 async def exec_command(sandbox_id: str, body: ExecRequest, request: Request) -> Response:
-    orch = _orch(request)
+    orch = orch_of(request)
     if body.stream:
         events = orch.exec_stream(sandbox_id, body.cmd, envs=body.envs, cwd=body.cwd, user=body.user,
                                   timeout=_timeout(body.timeout))
@@ -55,7 +55,7 @@ async def exec_command(sandbox_id: str, body: ExecRequest, request: Request) -> 
 @router.get("/sandboxes/{sandbox_id}/files")
 async def read_file(sandbox_id: str, request: Request, path: str = Query(min_length=1),
                     user: str | None = None) -> StreamingResponse:
-    envd = _orch(request).envd(sandbox_id)
+    envd = orch_of(request).envd(sandbox_id)
     chunks = envd.download(path, user=user)
     first = await anext(chunks, b"")  # surface a missing file as 404 before the 200 is sent
 
@@ -71,6 +71,6 @@ async def read_file(sandbox_id: str, request: Request, path: str = Query(min_len
 @router.put("/sandboxes/{sandbox_id}/files", status_code=204, response_class=Response)
 async def write_file(sandbox_id: str, request: Request, path: str = Query(min_length=1),
                      user: str | None = None) -> Response:
-    envd = _orch(request).envd(sandbox_id)
+    envd = orch_of(request).envd(sandbox_id)
     await envd.write_file(path, request.stream(), user=user)
     return Response(status_code=204)

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentenv.api.models import TemplateInfo, rfc3339
-from agentenv.orchestrator import Orchestrator
+from agentenv.api.routes import orch_of
 
 router = APIRouter()
 
@@ -27,7 +27,7 @@ class PullRequest(BaseModel):
 
 @router.post("/images/pull", status_code=201)
 async def pull_image(body: PullRequest, request: Request) -> JSONResponse:
-    orch: Orchestrator = request.app.state.orch
+    orch = orch_of(request)
     t = await orch.pull(body.image, name=body.name, username=body.username, password=body.password,
                         disk_mb=body.diskSizeMB)
     at = rfc3339(t.created_at)

@@ -8,15 +8,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentenv.api.errors import status_of
 from agentenv.api.models import Sandbox
+from agentenv.api.routes import orch_of
 from agentenv.errors import AgentenvError, InvalidRequest
-from agentenv.orchestrator import Orchestrator
 from agentenv.storage import Checkpoint
 
 router = APIRouter()
 
-
-def _orch(request: Request) -> Orchestrator:
-    return request.app.state.orch  # type: ignore[no-any-return]
 
 
 class PauseRequest(BaseModel):
@@ -70,7 +67,7 @@ async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204, response_class=Response)
 async def pause(sandbox_id: str, request: Request) -> Response:
     await _body(request, PauseRequest)
-    await _orch(request).pause(sandbox_id)
+    await orch_of(request).pause(sandbox_id)
     return Response(status_code=204)
 
 
@@ -78,8 +75,8 @@ async def pause(sandbox_id: str, request: Request) -> Response:
              response_model_exclude_none=True)
 async def resume(sandbox_id: str, request: Request) -> Sandbox:
     body = await _body(request, ResumeRequest)
-    return Sandbox.of(await _orch(request).resume(sandbox_id, body.timeout),  # type: ignore[attr-defined]
-                      _orch(request).settings.domain)
+    return Sandbox.of(await orch_of(request).resume(sandbox_id, body.timeout),  # type: ignore[attr-defined]
+                      orch_of(request).settings.domain)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect", response_model=Sandbox, response_model_exclude_none=True)
@@ -87,26 +84,26 @@ async def resume(sandbox_id: str, request: Request) -> Sandbox:
 async def connect(sandbox_id: str, request: Request, response: Response) -> Sandbox:
     """200 when it was running (timeout only extended), 201 when it was paused and resumed."""
     body = await _body(request, ResumeRequest)
-    rec, resumed = await _orch(request).connect(sandbox_id, body.timeout)  # type: ignore[attr-defined]
+    rec, resumed = await orch_of(request).connect(sandbox_id, body.timeout)  # type: ignore[attr-defined]
     response.status_code = 201 if resumed else 200
-    return Sandbox.of(rec, _orch(request).settings.domain)
+    return Sandbox.of(rec, orch_of(request).settings.domain)
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=SnapshotInfo,
              response_model_exclude_none=True)
 async def create_snapshot(sandbox_id: str, request: Request) -> SnapshotInfo:
     body = await _body(request, SnapshotRequest)
-    return SnapshotInfo.of(await _orch(request).snapshot(sandbox_id, body.name))  # type: ignore[attr-defined]
+    return SnapshotInfo.of(await orch_of(request).snapshot(sandbox_id, body.name))  # type: ignore[attr-defined]
 
 
 @router.get("/snapshots", response_model=list[SnapshotInfo], response_model_exclude_none=True)
 async def list_snapshots(request: Request, sandboxID: str | None = None, name: str | None = None) -> list[SnapshotInfo]:
-    return [SnapshotInfo.of(cp) for cp in _orch(request).list_snapshots(sandboxID, name)]
+    return [SnapshotInfo.of(cp) for cp in orch_of(request).list_snapshots(sandboxID, name)]
 
 
 @router.delete("/snapshots/{snapshot_id}", status_code=204, response_class=Response)
 async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
-    await _orch(request).delete_snapshot(snapshot_id)
+    await orch_of(request).delete_snapshot(snapshot_id)
     return Response(status_code=204)
 
 
@@ -114,7 +111,7 @@ async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
 async def fork(sandbox_id: str, request: Request) -> JSONResponse:
     """201 with one item per child: ``{"sandbox": …}`` or ``{"error": {code, message}}``."""
     body = await _body(request, ForkRequest)
-    results = await _orch(request).fork(sandbox_id, body.count, body.timeout)  # type: ignore[attr-defined]
+    results = await orch_of(request).fork(sandbox_id, body.count, body.timeout)  # type: ignore[attr-defined]
     items: list[dict[str, object]] = []
     for r in results:
         if isinstance(r, Exception):
@@ -122,5 +119,5 @@ async def fork(sandbox_id: str, request: Request) -> JSONResponse:
             message = r.message if isinstance(r, AgentenvError) else repr(r)
             items.append({"error": {"code": status, "message": message}})
         else:
-            items.append({"sandbox": Sandbox.of(r, _orch(request).settings.domain).model_dump(exclude_none=True)})
+            items.append({"sandbox": Sandbox.of(r, orch_of(request).settings.domain).model_dump(exclude_none=True)})
     return JSONResponse(items, status_code=201)

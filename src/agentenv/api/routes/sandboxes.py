@@ -22,6 +22,7 @@ from agentenv.api.models import (
     SandboxMetric,
     TimeoutRequest,
 )
+from agentenv.api.routes import orch_of
 from agentenv.errors import InvalidRequest, RequestError
 from agentenv.orchestrator import Orchestrator, SandboxRecord, State
 from agentenv.orchestrator.ids import new_access_token
@@ -32,12 +33,9 @@ router = APIRouter()
 ALL_TRAFFIC = "0.0.0.0/0"
 
 
-def _orch(request: Request) -> Orchestrator:
-    return request.app.state.orch  # type: ignore[no-any-return]
-
 
 def _domain(request: Request) -> str | None:
-    return _orch(request).settings.domain
+    return orch_of(request).settings.domain
 
 
 # -- create ---------------------------------------------------------------------------------
@@ -85,7 +83,7 @@ def _create_options(body: NewSandbox) -> dict[str, Any]:
 
 
 async def _create(body: NewSandbox, request: Request) -> Sandbox:
-    rec = await _orch(request).create(
+    rec = await orch_of(request).create(
         body.templateID, vcpus=body.cpuCount, memory_mb=body.memoryMB, timeout_s=body.timeout,
         metadata=body.metadata, env_vars=body.envVars, options=_create_options(body),
     )
@@ -140,7 +138,7 @@ async def list_sandboxes(request: Request, state: str | None = None,
                          metadata: Annotated[list[str] | None, Query()] = None) -> list[ListedSandbox]:
     """v1 list: no pagination, newest first. Without ``state``, every sandbox of the node
     (including ``error`` ones, so that they can be found and killed)."""
-    recs = _select(_orch(request), _parse_states(state, None), _parse_metadata(metadata))
+    recs = _select(orch_of(request), _parse_states(state, None), _parse_metadata(metadata))
     return [ListedSandbox.of(r) for r in recs]
 
 
@@ -174,7 +172,7 @@ async def list_sandboxes_v2(request: Request, response: Response, state: str | N
         raise InvalidRequest("order must be asc or desc")
     if template and ":" in template:
         raise InvalidRequest("template filter takes a template ID or alias without a tag")
-    orch = _orch(request)
+    orch = orch_of(request)
     recs = _select(orch, _parse_states(state, {"running", "paused"}), _parse_metadata(metadata))
     if startedAfter:
         try:
@@ -203,7 +201,7 @@ async def list_sandboxes_v2(request: Request, response: Response, state: str | N
 @router.get("/sandboxes/metrics")
 async def sandboxes_metrics(request: Request, sandbox_ids: str = Query(min_length=1)) -> dict[str, Any]:
     """The latest metric of each listed running sandbox (unknown ids are left out)."""
-    orch = _orch(request)
+    orch = orch_of(request)
 
     async def latest(sid: str) -> tuple[str, dict[str, Any] | None]:
         try:
@@ -219,18 +217,18 @@ async def sandboxes_metrics(request: Request, sandbox_ids: str = Query(min_lengt
 
 @router.get("/sandboxes/{sandbox_id}", response_model=SandboxDetail, response_model_exclude_none=True)
 async def get_sandbox(sandbox_id: str, request: Request) -> SandboxDetail:
-    return SandboxDetail.of(_orch(request).get(sandbox_id), _domain(request))
+    return SandboxDetail.of(orch_of(request).get(sandbox_id), _domain(request))
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204, response_class=Response)
 async def kill_sandbox(sandbox_id: str, request: Request) -> Response:
-    await _orch(request).kill(sandbox_id)
+    await orch_of(request).kill(sandbox_id)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204, response_class=Response)
 async def set_timeout(sandbox_id: str, body: TimeoutRequest, request: Request) -> Response:
-    await _orch(request).set_timeout(sandbox_id, body.timeout)
+    await orch_of(request).set_timeout(sandbox_id, body.timeout)
     return Response(status_code=204)
 
 
@@ -238,7 +236,7 @@ async def set_timeout(sandbox_id: str, body: TimeoutRequest, request: Request) -
 async def refresh(sandbox_id: str, request: Request, body: RefreshRequest | None = None) -> Response:
     """Keep the sandbox alive ``duration`` more seconds (default: the node's default timeout);
     never shortens its timeout."""
-    orch = _orch(request)
+    orch = orch_of(request)
     duration = body.duration if body and body.duration is not None else orch.settings.default_timeout_s
     await orch.refresh(sandbox_id, duration)
     return Response(status_code=204)
@@ -251,12 +249,12 @@ async def update_network(sandbox_id: str, body: NetworkConfig, request: Request)
     deny = list(body.denyOut or [])
     if body.allow_internet_access is False and ALL_TRAFFIC not in deny:
         deny.append(ALL_TRAFFIC)
-    await _orch(request).update_network(sandbox_id, list(body.allowOut or []), deny)
+    await orch_of(request).update_network(sandbox_id, list(body.allowOut or []), deny)
     return Response(status_code=204)
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics", response_model=list[SandboxMetric])
 async def sandbox_metrics(sandbox_id: str, request: Request, start: int | None = None,
                           end: int | None = None) -> list[SandboxMetric]:
-    points = await _orch(request).metrics(sandbox_id, start, end)
+    points = await orch_of(request).metrics(sandbox_id, start, end)
     return [SandboxMetric.of(m) for m in points]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from agentenv import __version__
+from agentenv.api.routes import orch_of
 
 router = APIRouter()
 
@@ -17,7 +18,7 @@ async def health() -> Response:
 @router.get("/health/details")
 async def health_details(request: Request) -> dict[str, object]:
     """What a operator checks first: the accelerator in use and why, and the load."""
-    orch = request.app.state.orch
+    orch = orch_of(request)
     counts: dict[str, int] = {}
     for r in orch.list():
         counts[r.state.value] = counts.get(r.state.value, 0) + 1

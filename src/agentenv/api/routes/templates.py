@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentenv.api.models import TemplateInfo, rfc3339
+from agentenv.api.routes import orch_of
 from agentenv.errors import InvalidRequest, NotFound, RequestError
 from agentenv.orchestrator import Orchestrator
 from agentenv.orchestrator.builds import BuildRecord, LogEntry, TemplateEntry
@@ -23,9 +24,6 @@ router = APIRouter()
 # a pre-signed S3 url), so that url carries its own token.
 uploads = APIRouter()
 
-
-def _orch(request: Request) -> Orchestrator:
-    return request.app.state.orch  # type: ignore[no-any-return]
 
 
 # -- wire models ----------------------------------------------------------------------------
@@ -126,7 +124,7 @@ def _info(orch: Orchestrator, template_id: str) -> TemplateInfo:
 @router.get("/templates", response_model=list[TemplateInfo])
 async def list_templates(request: Request) -> list[TemplateInfo]:
     """Built-in templates, built templates, and first builds still running or failed."""
-    orch = _orch(request)
+    orch = orch_of(request)
     out = [_catalog_info(orch, t.name) for t in orch.templates()]
     out += [_built_info(t) for t in orch.builds.templates()]
     out += [_pending_info(orch, b) for b in orch.builds.pending()]
@@ -136,7 +134,7 @@ async def list_templates(request: Request) -> list[TemplateInfo]:
 @router.get("/templates/aliases/{alias}")
 async def template_alias(alias: str, request: Request) -> JSONResponse:
     """``Template.exists(name)``: 200 if a template has this name or alias, else 404."""
-    orch = _orch(request)
+    orch = orch_of(request)
     if orch.builds.exists(alias):
         return JSONResponse({"templateID": alias, "public": True})
     t = orch.catalog.get(alias)  # TemplateNotFound → 404
@@ -145,14 +143,14 @@ async def template_alias(alias: str, request: Request) -> JSONResponse:
 
 @router.get("/templates/{template_id}", response_model=TemplateInfo)
 async def get_template(template_id: str, request: Request) -> TemplateInfo:
-    return _info(_orch(request), template_id)
+    return _info(orch_of(request), template_id)
 
 
 @router.delete("/templates/{template_id}", status_code=204, response_class=Response)
 async def delete_template(template_id: str, request: Request) -> Response:
     """A built template (sandboxes started from it keep running), or a snapshot by id or
     name (E2B deletes snapshot templates here too). Built-in templates cannot be deleted."""
-    orch = _orch(request)
+    orch = orch_of(request)
     if orch.catalog.exists(template_id):
         await orch.delete_image_template(template_id)  # 400 for built-in ones (base)
         return Response(status_code=204)
@@ -165,7 +163,7 @@ async def delete_template(template_id: str, request: Request) -> Response:
 
 @router.get("/templates/{template_id}/tags", response_model=list[TemplateTag])
 async def template_tags(template_id: str, request: Request) -> list[TemplateTag]:
-    t = _orch(request).builds.template(template_id)
+    t = orch_of(request).builds.template(template_id)
     return [TemplateTag(tag=tag, buildID=t.build_id, createdAt=rfc3339(t.updated_at)) for tag in t.tags]
 
 
@@ -189,7 +187,7 @@ async def request_build(request: Request) -> TemplateRequestResponse:
     name = body.name or body.alias
     if not name:
         raise InvalidRequest("name is required")
-    b = _orch(request).builds.request(name, tags=body.tags, vcpus=body.cpuCount, memory_mb=body.memoryMB)
+    b = orch_of(request).builds.request(name, tags=body.tags, vcpus=body.cpuCount, memory_mb=body.memoryMB)
     return TemplateRequestResponse(templateID=b.template_id, buildID=b.build_id, names=[b.template_id],
                                    tags=b.tags, aliases=[b.template_id])
 
@@ -203,7 +201,7 @@ def upload_token(request: Request, files_hash: str) -> str:
             response_model_exclude_none=True)
 async def file_upload_link(template_id: str, files_hash: str, request: Request) -> FileUpload:
     """Whether the COPY files with this hash are stored; if not, where to PUT their tar(.gz)."""
-    builds = _orch(request).builds
+    builds = orch_of(request).builds
     if builds.has_upload(files_hash):
         return FileUpload(present=True)
     url = f"{str(request.base_url).rstrip('/')}/templates/{template_id}/files/{files_hash}" \
@@ -217,7 +215,7 @@ async def upload_files(template_id: str, files_hash: str, request: Request, toke
     if not hmac.compare_digest(token.encode(), upload_token(request, files_hash).encode()):
         return JSONResponse({"code": 403, "message": "missing or wrong upload token: use the url that "
                                                      "GET /templates/{id}/files/{hash} returns"}, status_code=403)
-    orch = _orch(request)
+    orch = orch_of(request)
     limit = orch.settings.build_upload_max_mb << 20
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
@@ -237,7 +235,7 @@ async def start_build(template_id: str, build_id: str, request: Request) -> Resp
         body = json.loads(raw) if raw.strip() else {}
     except ValueError as exc:
         raise InvalidRequest(f"malformed JSON body: {exc}") from None
-    _orch(request).builds.start_build(template_id, build_id, body)
+    orch_of(request).builds.start_build(template_id, build_id, body)
     return Response(status_code=202)
 
 
@@ -245,8 +243,8 @@ async def start_build(template_id: str, build_id: str, request: Request) -> Resp
             response_model_exclude_none=True)
 async def build_status(template_id: str, build_id: str, request: Request, logsOffset: int = 0,
                        limit: int = 100, level: str | None = None) -> TemplateBuildInfo:
-    b = _orch(request).builds.build(template_id, build_id)
-    entries = [BuildLogEntry.of(e) for e in _orch(request).builds.entries(b, logsOffset, min(limit, 1000), level)]
+    b = orch_of(request).builds.build(template_id, build_id)
+    entries = [BuildLogEntry.of(e) for e in orch_of(request).builds.entries(b, logsOffset, min(limit, 1000), level)]
     reason = None
     if b.reason:
         tail = [BuildLogEntry.of(e) for e in b.logs[-20:] if e.level == "error" or e.step == b.reason.get("step")]
