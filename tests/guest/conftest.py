@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import AsyncIterator, Iterator
 import httpx
 import pytest
 
+from agentenv.bench.node import free_port
 from agentenv.envd_client import EnvdClient
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "agentenv" / "guest" / "agent.py"
@@ -33,15 +33,9 @@ class RunningAgent:
     log: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[RunningAgent]:
-    port = _free_port()
+    port = free_port()
     run_dir = tmp_path / "run-e2b"
     log = tmp_path / "agent.log"
     env = {**os.environ, "AENV_AGENT_RUN_DIR": str(run_dir), "AENV_AGENT_NO_CLOCK": "1",

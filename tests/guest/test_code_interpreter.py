@@ -15,7 +15,6 @@ import base64
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -29,18 +28,13 @@ from typing import ClassVar
 import httpx
 import pytest
 
+from agentenv.bench.node import free_port
 from tests.framework.sdk import LAUNCHER, SDK_CACHE
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "src" / "agentenv" / "guest" / "code_interpreter" / "server.py"
 CI_VERSION = "2.11.5"
 
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _FakeEnvd(http.server.BaseHTTPRequestHandler):
@@ -78,7 +72,7 @@ class CIServer:
 @pytest.fixture(scope="module")
 def ci_server(tmp_path_factory: pytest.TempPathFactory, fake_envd: str) -> Iterator[CIServer]:
     tmp = tmp_path_factory.mktemp("ci")
-    port = _free_port()
+    port = free_port()
     log = tmp / "server.log"
     env = {**os.environ, "AENV_CI_ENVD_URL": fake_envd}
     with open(log, "wb") as log_file:

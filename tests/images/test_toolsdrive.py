@@ -4,9 +4,9 @@ switch_root. No VM needed: the drive is an ext4 image, mounted read-only on a lo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentenv.bench.node import free_port
+from agentenv.envd_client import CommandResult, EnvdClient
 from agentenv.images import toolsdrive
 from agentenv.images.rootfs import debian_tarball
 
@@ -30,7 +32,7 @@ def drive(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def busybox_root(tmp_path: Path, drive: Path):
     """A root file system holding only /bin/busybox, with the drive at /run/agentenv."""
     root = tmp_path / "root"
-    for d in ("bin", "etc", "proc", "tmp", "run/agentenv", "home/user"):
+    for d in ("bin", "dev", "etc", "proc", "tmp", "run/agentenv", "home/user"):
         (root / d).mkdir(parents=True)
     shutil.copy2("/bin/busybox", root / "bin" / "busybox")
     (root / "bin" / "sh").symlink_to("busybox")
@@ -43,7 +45,8 @@ def busybox_root(tmp_path: Path, drive: Path):
 def _in_root(root: Path, drive: Path, script: str, **kw) -> subprocess.Popen:
     """Run ``script`` (host sh) in a private mount namespace where the drive is mounted."""
     setup = (f"mount -o ro,loop {drive} {root}/run/agentenv && mount -t proc proc {root}/proc && "
-             f"mount -t tmpfs tmpfs {root}/tmp && {script}")
+             f"mount -t tmpfs tmpfs {root}/tmp && touch {root}/dev/null && mount --bind /dev/null {root}/dev/null && "
+             f"{script}")
     return subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", setup], **kw)
 
 
@@ -63,14 +66,8 @@ def test_python_of_the_drive_runs_where_there_is_no_libc(busybox_root: Path, dri
     assert out.split() == ["/run/agentenv/python", "3"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_agent_serves_commands_in_a_busybox_only_image(busybox_root: Path, drive: Path) -> None:
-    port = _free_port()
+    port = free_port()
     agent = _in_root(busybox_root, drive,
                      f"exec chroot {busybox_root} /run/agentenv/python/bin/python3 -E -s -S -u "
                      f"/run/agentenv/agent/agent.py --host 127.0.0.1 --port {port} --tools /run/agentenv",
@@ -87,31 +84,14 @@ def test_agent_serves_commands_in_a_busybox_only_image(busybox_root: Path, drive
             assert time.monotonic() < deadline and agent.poll() is None, agent.stderr.read().decode()
             time.sleep(0.1)
         # What the SDKs send: /bin/bash -l -c. The image has no bash: its /bin/sh runs it, as `user`
-        # (switched by the drive's setpriv).
-        body = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "id -u; echo $HOME; pwd"]}}
-        assert _start(url, body) == "1000\n/home/user\n/home/user\n"
+        # (switched by the drive's aenv-spawn).
+        res = asyncio.run(_run(url, ["/bin/bash", "-l", "-c", "id -u; echo $HOME; pwd"]))
+        assert res.exit_code == 0 and res.stdout == b"1000\n/home/user\n/home/user\n", res
     finally:
         agent.terminate()
         agent.wait(timeout=10)
 
 
-def _start(url: str, body: dict) -> str:
-    """Run a process through the agent's Connect streaming Start and collect its stdout."""
-    import base64
-    import json
-    import struct
-
-    payload = json.dumps(body).encode()
-    frame = struct.pack(">BI", 0, len(payload)) + payload
-    r = httpx.post(url + "/process.Process/Start", content=frame, timeout=30,
-                   headers={"Content-Type": "application/connect+json", "Authorization": "Basic dXNlcjo="})
-    assert r.status_code == 200, r.text
-    out, data = b"", r.content
-    while data:
-        _flags, n = struct.unpack(">BI", data[:5])
-        msg = json.loads(data[5:5 + n])
-        data = data[5 + n:]
-        ev = (msg.get("event") or {})
-        if "data" in ev and ev["data"].get("stdout"):
-            out += base64.b64decode(ev["data"]["stdout"])
-    return out.decode()
+async def _run(url: str, argv: list[str]) -> CommandResult:
+    async with EnvdClient(url) as envd:
+        return await envd.run(argv, user="user")

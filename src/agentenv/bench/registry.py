@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentenv.bench.node import free_port  # noqa: E402  (re-exported for the tests)
+
 REGISTRY_BIN = "/usr/bin/docker-registry"
 CACHE = Path(os.environ.get("AENV_CACHE_DIR", "/var/lib/agentenv/cache"))  # as bench.node finds it
 
@@ -30,12 +32,6 @@ def _mkdtemp(prefix: str) -> Path:
     d = Path(tempfile.mkdtemp(prefix=prefix))
     CREATED.append(d)
     return d
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalRegistry:

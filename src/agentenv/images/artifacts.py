@@ -38,6 +38,23 @@ def artifacts_present(cache: Path) -> GuestArtifacts | None:
     return None
 
 
+def remove_read_only(path: Path) -> None:
+    """Delete an image file built 0444 (base images, tools drives, converted OCI images)."""
+    try:
+        path.chmod(0o644)
+    except FileNotFoundError:
+        return
+    path.unlink(missing_ok=True)
+
+
+def remove_images_except(folder: Path, pattern: str, keep: set[Path]) -> None:
+    """Delete the images in ``folder`` matching ``pattern`` that ``keep`` does not name: builds
+    superseded by a change of their inputs."""
+    for p in folder.glob(pattern):
+        if p not in keep:
+            remove_read_only(p)
+
+
 def inputs_hash(*parts: bytes | str) -> str:
     """Short content hash of a build's inputs, used in artifact file names."""
     h = hashlib.sha256()

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from agentenv.images.artifacts import inputs_hash
+from agentenv.images.artifacts import inputs_hash, remove_images_except
 from agentenv.proc import run_sync
 
 SUITE = "bookworm"
@@ -75,8 +75,5 @@ def ensure_base_rootfs(cache: Path, packages: tuple[str, ...] = BASE_PACKAGES, s
 
 def remove_stale(cache: Path, keep: set[Path]) -> None:
     """Delete older base images so the cache does not grow with every agent change."""
-    for p in (cache / "rootfs").glob("base-*.ext4"):
-        if p not in keep:
-            p.chmod(0o644)
-            p.unlink(missing_ok=True)
+    remove_images_except(cache / "rootfs", "base-*.ext4", keep)
     shutil.rmtree(cache / "rootfs" / "tmp", ignore_errors=True)

@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 from agentenv.errors import ProvisioningError
-from agentenv.images.artifacts import inputs_hash
+from agentenv.images.artifacts import inputs_hash, remove_images_except
 from agentenv.proc import run_sync
 
 MOUNT = "/run/agentenv"
@@ -89,10 +89,8 @@ def version_of(drive: Path) -> str:
 
 
 def remove_stale(cache: Path, keep: set[Path]) -> None:
-    for p in (cache / "tools").glob("tools-*.ext4"):
-        if p not in keep:
-            p.chmod(0o644)
-            p.unlink(missing_ok=True)
+    """Delete drives of older versions (a new agent or Python makes a new drive)."""
+    remove_images_except(cache / "tools", "tools-*.ext4", keep)
 
 
 def _assemble(tree: Path, debian: Path, busybox: Path, files: dict[str, bytes], version: str) -> None:

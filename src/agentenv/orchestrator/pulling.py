@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from agentenv.errors import InvalidRequest
 from agentenv.images import GuestArtifacts, oci
+from agentenv.images.artifacts import remove_read_only
 from agentenv.images.registry import ImageRef, parse_reference
 from agentenv.orchestrator.templates import Template
 
@@ -92,8 +93,7 @@ def remove_unused_images(orch: Orchestrator) -> list[str]:
     removed = []
     for ext4 in (root / "rootfs").glob("*.ext4"):
         if str(ext4) not in in_use and ext4.stat().st_mtime < fresh:
-            ext4.chmod(0o644)
-            ext4.unlink(missing_ok=True)
+            remove_read_only(ext4)
             removed.append(str(ext4))
     for layout in (root / "oci").glob("[0-9a-f]*"):
         if f"sha256:{layout.name}" not in digests and layout.stat().st_mtime < fresh:
