@@ -118,3 +118,24 @@ def test_streamed_upload_and_download_through_the_proxy(e2b_server: ServerProces
             assert (n, h.hexdigest()) == (32 * 1024 * 1024, digest)
     finally:
         api.delete(f"/sandboxes/{sid}")
+
+
+def test_the_proxy_forwards_the_clients_headers_and_no_others(e2b_server: ServerProcess, api: httpx.Client) -> None:
+    """A client that sent no Accept-Encoding gets the file as it is, not gzip the proxy asked for."""
+    sb = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120}).json()
+    sid = sb["sandboxID"]
+    headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983", "X-Access-Token": sb["envdAccessToken"]}
+    text = b"a very compressible line\n" * 40000
+    try:
+        with httpx.Client(base_url=e2b_server.url, headers=headers, timeout=120) as c:
+            r = c.post("/files", params={"path": "/home/user/t.txt"}, content=text,
+                       headers={"Content-Type": "application/octet-stream"})
+            assert r.status_code == 200, r.text
+            del c.headers["accept-encoding"]  # httpx's own default
+            r = c.get("/files", params={"path": "/home/user/t.txt"})
+            assert r.status_code == 200 and "content-encoding" not in r.headers
+            assert int(r.headers["content-length"]) == len(text) and r.content == text
+            r = c.get("/files", params={"path": "/home/user/t.txt"}, headers={"Accept-Encoding": "gzip"})
+            assert r.headers["content-encoding"] == "gzip" and r.content == text
+    finally:
+        api.delete(f"/sandboxes/{sid}")

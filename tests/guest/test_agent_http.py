@@ -94,6 +94,19 @@ async def test_download_gzip_negotiation(http: httpx.AsyncClient, tmp_path: Path
     assert resp.status_code == 200 and resp.content == b""
 
 
+async def test_download_of_incompressible_data_is_not_gzipped(http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Deflating random or already-compressed bytes only costs the sandbox CPU: even a client
+    that accepts gzip (every httpx client does by default) gets them as they are, with a length."""
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    (tmp_path / "r.bin").write_bytes(data)
+    for accept in ("gzip", "gzip, deflate", "zstd,gzip,br"):
+        async with http.stream("GET", "/files", params={"path": str(tmp_path / "r.bin")},
+                               headers={"Accept-Encoding": accept}) as resp:
+            assert resp.status_code == 200 and "content-encoding" not in resp.headers, accept
+            assert int(resp.headers["content-length"]) == len(data)
+            assert b"".join([c async for c in resp.aiter_raw()]) == data
+
+
 async def test_200mb_both_ways_with_bounded_memory(agent, http: httpx.AsyncClient, client: EnvdClient,
                                                    tmp_path: Path) -> None:
     size, chunk = 200 * 1024 * 1024, 1024 * 1024

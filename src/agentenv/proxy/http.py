@@ -33,6 +33,9 @@ ENVD_PORT = 49983
 INTERNAL_ENVD_PATHS = frozenset({"/init", "/upgrade", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                         b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host"})
+# Headers httpx adds to every request unless told otherwise. An Accept-Encoding the client did
+# not send would make servers in the sandbox compress (and the client get a body it did not ask for).
+_CLIENT_DEFAULTS = frozenset({b"accept", b"accept-encoding", b"user-agent"})
 _HOST_LABEL = re.compile(r"^(\d{1,5})-([a-z0-9]+)$")
 _SANDBOX_ID = re.compile(r"^[a-z0-9]+$")
 
@@ -231,6 +234,8 @@ class SandboxProxy:
             for attempt in range(self.dial_attempts):
                 req = client.build_request(scope["method"], url, headers=fwd,
                                            content=request_body() if has_body else None)
+                for name in _CLIENT_DEFAULTS - headers.keys():  # forward what the client sent, no more
+                    del req.headers[name.decode()]
                 try:
                     resp = await client.send(req, stream=True)
                     break

@@ -1,7 +1,7 @@
 """``/files`` (download, upload) and ``/files/compose``: streamed with bounded memory both ways.
 
-Downloads are read in FILE_CHUNK pieces, gzip-compressed on the fly when the client accepts gzip,
-and honour a single byte range. Uploads (multipart, raw, gzip-encoded) are written as they arrive;
+Downloads are read in FILE_CHUNK pieces, gzip-compressed on the fly when the client accepts gzip
+and the file's start compresses, and honour a single byte range. Uploads (multipart, raw, gzip-encoded) are written as they arrive;
 a failed upload leaves nothing behind (see ``fsutil.open_upload_target``).
 """
 
@@ -42,6 +42,9 @@ from .fsutil import (
     write_all,
 )
 from .httpio import Request, Response
+
+GZIP_LEVEL = 1  # deflate's fastest level: most of the saving at a fraction of level 6's CPU
+SAMPLE = 64 * 1024  # what decides whether a download is compressed
 
 
 class FilesService:
@@ -100,16 +103,21 @@ class FilesService:
             headers = {"Content-Type": "application/octet-stream",
                        "Content-Disposition": content_disposition(os.path.basename(path)),
                        "Vary": "Accept-Encoding"}
-            if encoding == "gzip":
+            # Compress only what compresses: a sample of the file's start decides. Archives,
+            # images, binaries and random bytes go as they are, at full speed (deflating them
+            # only burns the sandbox's CPU: ~5 MB/s under TCG, vs ~40 MB/s unencoded).
+            deflate = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)
+            if encoding == "gzip" and (data := await blocking(compress_start, fd, deflate)) is not None:
                 await resp.start(200, {**headers, "Content-Encoding": "gzip"})
-                deflate = zlib.compressobj(6, zlib.DEFLATED, 31)
-                offset = 0
-                while offset < st.st_size:
+                offset = FILE_CHUNK
+                while True:
+                    await resp.write(data)
+                    if offset >= st.st_size:
+                        break
                     data = await blocking(read_compressed, fd, offset, st.st_size - offset, deflate)
                     if data is None:
                         break  # the file shrank meanwhile: send what there is
                     offset += FILE_CHUNK
-                    await resp.write(data)
                 return await resp.finish(deflate.flush())
             headers["Accept-Ranges"] = "bytes"
             start, end = 0, st.st_size
@@ -272,6 +280,16 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     if start >= size or start >= end:
         raise HttpError(416, f"range '{header}' not satisfiable for a file of {size} bytes")
     return start, end
+
+
+def compress_start(fd: int, deflate: Any) -> bytes | None:
+    """The file's first FILE_CHUNK compressed, or None when deflate does not shrink its first
+    SAMPLE bytes below 90 % (or the file is empty): then it is better sent as it is."""
+    data = os.pread(fd, FILE_CHUNK, 0)
+    head = data[:SAMPLE]
+    if not head or len(zlib.compress(head, GZIP_LEVEL)) >= 0.9 * len(head):
+        return None
+    return deflate.compress(data)
 
 
 def read_compressed(fd: int, offset: int, left: int, deflate: Any) -> bytes | None:
