@@ -25,7 +25,7 @@ import pytest
 from agentenv.network import remove_slots_in
 from tests.framework.net import node_cidr
 from tests.framework.sdk import LAUNCHER, SDK_CACHE
-from tests.framework.server import ServerProcess
+from tests.framework.server import ServerProcess, all_sandboxes
 
 ROOT = Path(__file__).resolve().parents[2]
 PY_LATEST, PY_245, PY_1X = "2.63.0", "2.45.1", "1.11.1"
@@ -124,7 +124,7 @@ def _no_leftover_sandboxes(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     server: ServerProcess = request.getfixturevalue("e2b_server")
     with server.client() as api:
-        left = api.get("/sandboxes").json()
+        left = all_sandboxes(api)
         for s in left:
             api.delete(f"/sandboxes/{s['sandboxID']}")
     assert left == [], f"sandboxes left running: {[s['sandboxID'] for s in left]}"

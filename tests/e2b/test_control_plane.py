@@ -3,12 +3,15 @@ v2 list pagination headers and filters, refresh, templates, metrics of several s
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from urllib.parse import quote, urlencode
 
 import httpx
 
 from tests.e2b.conftest import PY_LATEST, SDK
+from tests.framework import host
 from tests.framework.server import ServerProcess
 
 
@@ -137,3 +140,30 @@ def test_api_key_is_required_with_e2b_body(e2b_server: ServerProcess) -> None:
         r = httpx.get(e2b_server.url + "/v2/sandboxes", headers=headers)
         assert r.status_code == 401 and r.json()["code"] == 401 and "API key" in r.json()["message"]
     assert e2b_server.api_key.startswith("e2b_") and len(e2b_server.api_key) == 44
+
+
+def test_a_failed_sandbox_is_an_error_the_sdk_raises_not_one_it_cannot_parse(sdk: SDK, api: httpx.Client) -> None:
+    """A sandbox whose QEMU died: the SDKs know only running and paused, so list leaves it out
+    and get_info raises with the reason (410); kill clears the record."""
+    sid = _create(api, timeout=120, metadata={"t": "failed"})["sandboxID"]
+    (pid,) = host.qemu_pids(sid)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and api.get(f"/sandboxes/{sid}").status_code == 200:
+        time.sleep(0.1)
+    assert api.get("/sandboxes", params={"state": "error"}).json()[0]["sandboxID"] == sid
+    out = sdk.python(PY_LATEST, f"""
+        import json
+        from e2b import Sandbox, SandboxQuery
+        o = {{"listed": [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={{"t": "failed"}})).next_items()]}}
+        try:
+            Sandbox.get_info("{sid}")
+        except Exception as e:
+            o["raised"] = [type(e).__name__, str(e)]
+        o["killed"] = Sandbox.kill("{sid}")
+        print(json.dumps(o))
+    """)
+    assert out["listed"] == []
+    assert out["raised"][0] == "SandboxException" and "QEMU exited" in out["raised"][1], out
+    assert out["killed"] is True
+    assert api.get(f"/sandboxes/{sid}").status_code == 404

@@ -16,7 +16,7 @@ import pytest
 from tests.e2e.conftest import run
 from tests.framework import host
 from tests.framework.net import node_cidr
-from tests.framework.server import ServerProcess
+from tests.framework.server import ServerProcess, all_sandboxes
 
 
 def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: ServerProcess) -> None:
@@ -25,13 +25,16 @@ def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: 
     ns = json.loads((server.data_dir / "sandboxes" / sid / "machine.json").read_text())["netns"]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    info = {}
-    while time.monotonic() < deadline:
-        info = api.get(f"/sandboxes/{sid}").json()
-        if info["state"] == "error":
-            break
+    r = api.get(f"/sandboxes/{sid}")
+    while time.monotonic() < deadline and r.status_code == 200:
         time.sleep(0.1)
-    assert info["state"] == "error" and "QEMU exited" in info["error"]
+        r = api.get(f"/sandboxes/{sid}")
+    # 410 Gone, the reason in the message (what E2B SDKs raise) and in the native fields.
+    info = r.json()
+    assert r.status_code == 410 and info["state"] == "error" and "QEMU exited" in info["error"], r.text
+    assert "QEMU exited" in info["message"] and info["code"] == 410
+    assert [s["state"] for s in all_sandboxes(api) if s["sandboxID"] == sid] == ["error"]
+    assert sid not in [s["sandboxID"] for s in api.get("/sandboxes").json()]  # E2B clients' list
     assert ns not in host.netns_names(), "namespace not freed"
     r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "true"})
     assert r.status_code == 409 and "error" in r.json()["message"]
@@ -82,13 +85,13 @@ def test_disk_full_while_creating_leaves_nothing(small_disk_server: ServerProces
             assert "space" in r.json()["message"]
             after = (host.sandbox_dirs(data), host.qemu_pids(str(data)), host.node_netns(data))
             assert after == before
-            assert [s["sandboxID"] for s in api.get("/sandboxes").json()] == [first]
+            assert [s["sandboxID"] for s in all_sandboxes(api)] == [first]
         finally:
             filler.unlink()
         r = api.post("/sandboxes", json={"templateID": "base"})
         assert r.status_code == 201, r.text
         assert run(api, r.json()["sandboxID"], "echo ok")["stdout"] == "ok\n"
-        for s in api.get("/sandboxes").json():
+        for s in all_sandboxes(api):
             api.delete(f"/sandboxes/{s['sandboxID']}")
 
 
@@ -107,7 +110,7 @@ def test_hung_guest_agent_fails_create_in_bounded_time(tmp_path: Path) -> None:
             assert r.status_code == 502, r.text
             assert "did not answer" in r.json()["message"]
             assert elapsed < 20, elapsed
-            assert api.get("/sandboxes").json() == []
+            assert all_sandboxes(api) == []
             after = (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir)), host.node_netns(s.data_dir))
             assert after == before
     finally:

@@ -32,8 +32,8 @@ def test_restart_readopts_running_sandboxes(tmp_path: Path) -> None:
             assert api.get(f"/sandboxes/{keep}").json()["metadata"] == {"k": "v"}
             assert run(api, keep, "cat /home/user/state.txt")["stdout"] == "before\n"
             assert run(api, keep, "pgrep -c sleep")["stdout"].strip() == "1"
-            info = api.get(f"/sandboxes/{doomed}").json()
-            assert info["state"] == "error" and "gone" in info["error"]
+            r = api.get(f"/sandboxes/{doomed}")
+            assert r.status_code == 410 and r.json()["state"] == "error" and "gone" in r.json()["error"]
         # SIGKILL of the server: the same guarantees.
         s.stop(signal.SIGKILL)
         s.start()

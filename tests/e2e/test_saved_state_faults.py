@@ -16,7 +16,7 @@ from tests.e2e.conftest import run
 from tests.e2e.test_saved_states import COUNTER, counter, state
 from tests.framework import host
 from tests.framework.net import node_cidr
-from tests.framework.server import ServerProcess
+from tests.framework.server import ServerProcess, all_sandboxes
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_server_killed_mid_operation_keeps_the_previous_state(node: ServerProces
         repository_is_clean(node)
         manifests = sorted(p.name for p in (node.data_dir / "repository" / "manifests").iterdir())
         assert manifests == manifests_before, "an interrupted operation must publish nothing"
-        assert [s["sandboxID"] for s in api.get("/sandboxes").json()] == [sid], "no half-made children"
+        assert [s["sandboxID"] for s in all_sandboxes(api)] == [sid], "no half-made children"
         # The disk it writes to after recovery is the right one: it survives a pause/resume.
         assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
         assert api.post(f"/sandboxes/{sid}/resume").status_code == 201

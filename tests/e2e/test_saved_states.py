@@ -10,7 +10,7 @@ import pytest
 
 from tests.e2e.conftest import run
 from tests.framework import host
-from tests.framework.server import ServerProcess
+from tests.framework.server import ServerProcess, all_sandboxes
 
 COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done' "
            ">/dev/null 2>&1 & echo $!")
@@ -250,7 +250,7 @@ def test_repository_is_empty_once_everything_is_deleted(api: httpx.Client, serve
     layers = server.data_dir / "repository" / "layers"
     manifests = server.data_dir / "repository" / "manifests"
     assert list(manifests.iterdir()) == []
-    if not api.get("/sandboxes").json():  # nothing else on the node pins a layer
+    if not all_sandboxes(api):  # nothing else on the node pins a layer
         deadline = time.monotonic() + 5
         while list(layers.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -20,7 +20,7 @@ import pytest
 from tests.e2e.conftest import run
 from tests.framework import host
 from tests.framework.net import node_cidr
-from tests.framework.server import ServerProcess
+from tests.framework.server import ServerProcess, all_sandboxes
 
 HTTP_READY = '[ -n "$(ss -Htuln sport = :8000)" ]'  # what the E2B SDK's wait_for_port(8000) renders
 
@@ -102,7 +102,7 @@ def messages(entries: list[dict]) -> list[str]:
 
 
 def build_sandboxes(api: httpx.Client) -> list[str]:
-    return [s["sandboxID"] for s in api.get("/sandboxes").json() if "agentenv.build" in (s.get("metadata") or {})]
+    return [s["sandboxID"] for s in all_sandboxes(api) if "agentenv.build" in (s.get("metadata") or {})]
 
 
 def envd_processes(node: ServerProcess, api: httpx.Client, sid: str) -> list[dict]:

@@ -30,6 +30,8 @@ from agentenv.cli.params import parse_pairs
 from agentenv.cli.terminal import run_shell
 
 SHELL_KEEPALIVE_S = 300  # while a shell is attached, the sandbox lives at least this much longer
+# Without a state the server lists what E2B clients can parse (running, paused); the CLI shows all.
+ALL_STATES = "creating,running,paused,pausing,resuming,snapshotting,forking,killing,error"
 CREATE_TIMEOUT = 600.0  # a cold boot under TCG takes minutes; the server enforces its own limit
 
 
@@ -164,9 +166,7 @@ def ls(
     output: OutputOption = None,
 ) -> None:
     """List sandboxes."""
-    params: dict[str, Any] = {}
-    if state:
-        params["state"] = state
+    params: dict[str, Any] = {"state": state or ALL_STATES}
     if metadata:
         params["metadata"] = [f"{k}={v}" for k, v in parse_pairs(metadata, "--metadata").items()]
     with client_for(ctx) as client:
@@ -199,7 +199,8 @@ def rm(
     with client_for(ctx) as client:
         ids = list(sandbox_ids or [])
         if all_:
-            ids += [r["sandboxID"] for r in client.call("GET", "/sandboxes") if r["sandboxID"] not in ids]
+            rows = client.call("GET", "/sandboxes", params={"state": ALL_STATES})
+            ids += [r["sandboxID"] for r in rows if r["sandboxID"] not in ids]
 
         def kill(sid: str) -> str | None:
             try:

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from urllib.parse import unquote
 
 from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
 
 from agentenv.api.models import (
     ListedSandbox,
@@ -104,6 +105,9 @@ async def create_sandbox_v2(body: NewSandbox, request: Request) -> Sandbox:
 
 # -- list -----------------------------------------------------------------------------------
 
+E2B_STATES = frozenset({"running", "paused"})  # all the states the E2B SDKs' models accept
+
+
 def _parse_states(state: str | None, default: set[str] | None) -> set[str] | None:
     if not state:
         return default
@@ -136,9 +140,10 @@ def _select(orch: Orchestrator, states: set[str] | None, metadata: dict[str, str
 @router.get("/sandboxes", response_model=list[ListedSandbox])
 async def list_sandboxes(request: Request, state: str | None = None,
                          metadata: Annotated[list[str] | None, Query()] = None) -> list[ListedSandbox]:
-    """v1 list: no pagination, newest first. Without ``state``, every sandbox of the node
-    (including ``error`` ones, so that they can be found and killed)."""
-    recs = _select(orch_of(request), _parse_states(state, None), _parse_metadata(metadata))
+    """v1 list: no pagination, newest first. Without ``state``, the sandboxes E2B clients can
+    parse (running and paused: e2b 1.x fails on any other state); ``aenv ls`` asks for every
+    state, ``error`` ones included, so that they can be found and killed."""
+    recs = _select(orch_of(request), _parse_states(state, E2B_STATES), _parse_metadata(metadata))
     return [ListedSandbox.of(r) for r in recs]
 
 
@@ -173,7 +178,7 @@ async def list_sandboxes_v2(request: Request, response: Response, state: str | N
     if template and ":" in template:
         raise InvalidRequest("template filter takes a template ID or alias without a tag")
     orch = orch_of(request)
-    recs = _select(orch, _parse_states(state, {"running", "paused"}), _parse_metadata(metadata))
+    recs = _select(orch, _parse_states(state, E2B_STATES), _parse_metadata(metadata))
     if startedAfter:
         try:
             after = datetime.fromisoformat(startedAfter)
@@ -215,9 +220,18 @@ async def sandboxes_metrics(request: Request, sandbox_ids: str = Query(min_lengt
     return {"sandboxes": {sid: m for sid, m in results if m is not None}}
 
 
-@router.get("/sandboxes/{sandbox_id}", response_model=SandboxDetail, response_model_exclude_none=True)
-async def get_sandbox(sandbox_id: str, request: Request) -> SandboxDetail:
-    return SandboxDetail.of(orch_of(request).get(sandbox_id), _domain(request))
+@router.get("/sandboxes/{sandbox_id}", response_model=SandboxDetail, response_model_exclude_none=True,
+            responses={410: {"description": "the sandbox failed (state `error`); the message says why"}})
+async def get_sandbox(sandbox_id: str, request: Request) -> SandboxDetail | JSONResponse:
+    rec = orch_of(request).get(sandbox_id)
+    if rec.state == State.ERROR:
+        # E2B SDKs fail to parse a state other than running or paused, so a failed sandbox is
+        # 410 Gone: they raise it with the reason as the message. The record stays (with
+        # `state` and `error` here for other clients) until DELETE clears it.
+        return JSONResponse(status_code=410, content={
+            "code": 410, "message": f"sandbox '{rec.id}' failed: {rec.error}; DELETE it to clear its record",
+            "sandboxID": rec.id, "state": rec.state.value, "error": rec.error})
+    return SandboxDetail.of(rec, _domain(request))
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204, response_class=Response)
