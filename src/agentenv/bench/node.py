@@ -20,6 +20,7 @@ import httpx
 
 from agentenv.config import Settings
 from agentenv.images import artifacts_present
+from agentenv.orchestrator import State
 from agentenv.vmm import find_qemu_pids
 
 CACHE = Path(os.environ.get("AENV_CACHE_DIR", "/var/lib/agentenv/cache"))
@@ -92,7 +93,7 @@ class LocalNode:
         node's host-wide leftovers (memory files on tmpfs, nft table, socket dir)."""
         if self.proc is not None:
             with self.client() as c:
-                for sb in c.get("/sandboxes").json():
+                for sb in c.get("/sandboxes", params={"state": ",".join(s.value for s in State)}).json():
                     c.delete(f"/sandboxes/{sb['sandboxID']}")
             self.stop()
         settings = Settings(data_dir=self.data_dir)
