@@ -271,6 +271,26 @@ async def test_unknown_user_is_unauthenticated(client: EnvdClient) -> None:
     assert "invalid username" in err.value.message
 
 
+async def test_a_user_added_or_removed_after_a_lookup_is_seen_at_once(client: EnvdClient) -> None:
+    """The agent keeps user lookups (each costs milliseconds under TCG) only while /etc/passwd
+    and /etc/group are unchanged: useradd and userdel take effect on the next command."""
+    name = "aenv-cache-probe"
+    subprocess.run(["userdel", name], capture_output=True, check=False)
+    with pytest.raises(EnvdError):
+        await client.run(["id", "-un"], user=name)
+    try:
+        subprocess.run(["useradd", "-M", name], check=True)
+        assert (await client.run(["id", "-un"], user=name)).stdout == f"{name}\n".encode()
+        subprocess.run(["groupadd", name + "-g"], check=True)
+        subprocess.run(["usermod", "-aG", name + "-g", name], check=True)
+        assert name + "-g" in (await client.run(["id", "-Gn"], user=name)).stdout.decode().split()
+    finally:
+        subprocess.run(["userdel", name], check=False)
+        subprocess.run(["groupdel", name + "-g"], capture_output=True, check=False)
+    with pytest.raises(EnvdError):
+        await client.run(["id", "-un"], user=name)
+
+
 async def test_stdin_send_input_and_close(client: EnvdClient) -> None:
     events = client.stream(["cat"], stdin=True)
     start = await events.__anext__()

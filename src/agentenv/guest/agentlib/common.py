@@ -162,16 +162,44 @@ class User(NamedTuple):
     groups: list[int]
 
 
+_USER_DB = ("/etc/passwd", "/etc/group")
+_USER_CACHE_S = 10.0  # bound for name services other than these files
+_users: dict[str, tuple[Any, float, User | None]] = {}
+
+
+def _user_db_version() -> tuple:
+    out = []
+    for path in _USER_DB:
+        try:
+            st = os.stat(path)
+            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
 def lookup_user(name: str) -> User | None:
+    """The user's ids, home and groups. Every command asks; under TCG getpwnam + getgrouplist
+    cost ~3 ms, so answers are kept while /etc/passwd and /etc/group are unchanged (useradd,
+    usermod and chpasswd replace them), for at most _USER_CACHE_S."""
+    version, now = _user_db_version(), time.monotonic()
+    hit = _users.get(name)
+    if hit is not None and hit[0] == version and now - hit[1] < _USER_CACHE_S:
+        return hit[2]
     try:
         pw = pwd.getpwnam(name)
     except KeyError:
-        return None
-    try:
-        groups = os.getgrouplist(name, pw.pw_gid)
-    except OSError:
-        groups = [pw.pw_gid]
-    return User(name, pw.pw_uid, pw.pw_gid, pw.pw_dir, groups)
+        user = None
+    else:
+        try:
+            groups = os.getgrouplist(name, pw.pw_gid)
+        except OSError:
+            groups = [pw.pw_gid]
+        user = User(name, pw.pw_uid, pw.pw_gid, pw.pw_dir, groups)
+    if len(_users) > 256:
+        _users.clear()
+    _users[name] = (version, now, user)
+    return user
 
 
 class CallContext:
