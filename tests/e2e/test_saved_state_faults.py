@@ -3,6 +3,8 @@ shutdown with pause-on-stop, a paused sandbox across a crash, a full disk while 
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentenv.config import Settings
 from tests.e2e.conftest import run
 from tests.e2e.test_saved_states import COUNTER, counter, state
 from tests.framework import host
@@ -133,6 +136,48 @@ def test_paused_sandbox_survives_a_server_crash(node: ServerProcess) -> None:
         assert api.post(f"/sandboxes/{sid}/resume").status_code == 201
         assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\n"
         api.delete(f"/sandboxes/{sid}")
+
+
+def test_paused_sandboxes_and_snapshots_survive_a_host_reboot(node: ServerProcess) -> None:
+    """A reboot kills every QEMU and empties tmpfs, where template memory files live. Paused
+    sandboxes and named snapshots keep only the pages they changed, over their template
+    snapshot: it comes back from its copy on the data disk (no new boot, which would not
+    match their disks), and they resume with memory and files intact."""
+    restart(node)
+    with node.client() as api:
+        sid = busy_sandbox(api)
+        run(api, sid, "echo 7 > /tmp/mem-only")
+        assert api.post(f"/sandboxes/{sid}/snapshots", json={"name": "pre-reboot"}).status_code == 201
+        c = counter(api, sid)
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        lost = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    node.stop(signal.SIGKILL)  # the reboot: the server, every QEMU and tmpfs go
+    for pid in host.qemu_pids(str(node.data_dir)):
+        os.kill(pid, signal.SIGKILL)
+    mem_dir = Settings(data_dir=node.data_dir).mem_dir
+    assert list(mem_dir.glob("*.mem")), "the template memory file should be on tmpfs"
+    shutil.rmtree(mem_dir)
+    boots = node.log.read_text().count("template base snapshotted")
+    restart(node)
+    with node.client() as api:
+        assert api.get(f"/sandboxes/{lost}").status_code == 410  # it was running: it is gone, said so
+        assert state(api, sid) == "paused"
+        r = api.post(f"/sandboxes/{sid}/resume")
+        assert r.status_code == 201, r.text
+        assert counter(api, sid) >= c
+        assert run(api, sid, "cat /tmp/mem-only /home/user/f.txt")["stdout"] == "7\nbefore\n"
+        r = api.post("/sandboxes", json={"templateID": "pre-reboot", "timeout": 120})
+        assert r.status_code == 201, r.text
+        child = r.json()["sandboxID"]
+        assert run(api, child, "cat /tmp/mem-only")["stdout"] == "7\n"
+        fresh = api.post("/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+        assert run(api, fresh, "cat /tmp/mem-only 2>/dev/null; echo ok")["stdout"] == "ok\n"
+        for x in (sid, child, fresh, lost):
+            api.delete(f"/sandboxes/{x}")
+        assert api.delete("/snapshots/pre-reboot").status_code == 204
+    log = node.log.read_text()
+    assert log.count("template base snapshotted") == boots, "the template must not be booted again"
+    assert "restored from" in log
 
 
 def test_sigterm_with_pause_on_stop_pauses_and_a_restart_resumes(node: ServerProcess) -> None:

@@ -170,6 +170,7 @@ class Checkpointer:
         copying pages into their RAM."""
         await asyncio.to_thread(self.repo.verify, cp)
         base = _base(cp.base)
+        await asyncio.to_thread(base.ensure_memory)
         t0 = time.perf_counter()
         n = await asyncio.to_thread(ml.materialize, base.mem_file, [self.repo.layer_path(r.name) for r in cp.memory],
                                     out)
@@ -205,7 +206,8 @@ class Checkpointer:
         if base.created_at != cp.base_created_at:
             raise SnapshotUnusable(
                 f"snapshot {cp.name or cp.id} was taken on a build of template '{cp.template}' that no "
-                f"longer exists (rebuilt after a host restart or an image change); it cannot be restored")
+                f"longer exists (rebuilt after an image change); it cannot be restored")
+        await asyncio.to_thread(base.ensure_memory)
         undo = Cleanup(f"restore of {name}")
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -255,7 +257,7 @@ def _base(base_dir: str) -> TemplateSnapshot:
     base = TemplateSnapshot.load(Path(base_dir))
     if base is None:
         raise SnapshotUnusable(f"the template snapshot {base_dir} this state was taken on no longer "
-                               f"exists (its memory file is gone after a host restart?)")
+                               f"exists (its files were removed)")
     return base
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import mmap
 import os
@@ -479,6 +480,28 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _copy_range(src: int, dst: int, start: int, end: int) -> None:
+    """Copy bytes [start, end) to the same offsets: in the kernel where it can (same file
+    system), else through a buffer (tmpfs to disk is EXDEV for copy_file_range)."""
+    off = start
+    try:
+        while off < end:
+            n = os.copy_file_range(src, dst, end - off, off, off)
+            if n <= 0:
+                break
+            off += n
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+    while off < end:
+        data = os.pread(src, min(end - off, 8 << 20), off)
+        if not data:
+            break
+        os.pwrite(dst, data, off)
+        off += len(data)
+
+
 def materialize(base: Path, chain: Sequence[Path], out: Path) -> int:
     """Write ``out`` = the base memory file with the chain's pages applied: a memory file that
     sandboxes map copy-on-write *instead of* writing the chain into each one's RAM (fork
@@ -496,12 +519,7 @@ def materialize(base: Path, chain: Sequence[Path], out: Path) -> int:
                 except OSError:  # ENXIO: no data after pos
                     break
                 end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
-                off = start
-                while off < end:
-                    n = os.copy_file_range(src.fileno(), dst.fileno(), end - off, off, off)
-                    if n <= 0:
-                        break
-                    off += n
+                _copy_range(src.fileno(), dst.fileno(), start, end)
                 written += end - start
                 pos = end
             for path in chain:

@@ -6,16 +6,24 @@ memory file copy-on-write and loads the device state (qemu-microvm-notes.md ยง4โ
 
     <dir>/disk.qcow2   sealed overlay over the template's base image (read-only)
     <dir>/state        device state (x-ignore-shared migration stream, tens of KB)
+    <dir>/memory       a sparse copy of the guest RAM on the data disk (survives a host reboot)
     <dir>/meta.json    what was snapshotted, written last: its presence marks completion
     <mem_file>         guest RAM on tmpfs, shared by every sandbox of this shape
+
+tmpfs is empty after a host reboot. Paused sandboxes and named snapshots hold only the pages
+they changed and build on this exact snapshot (its memory, device state and disk), so the
+memory file is brought back from ``<dir>/memory`` instead of snapshotting the template again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from agentenv.storage.memory_layers import materialize
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,27 @@ class TemplateSnapshot:
     def state(self) -> Path:
         return self.dir / "state"
 
+    @property
+    def memory_copy(self) -> Path:
+        return self.dir / "memory"
+
+    def keep_memory(self) -> None:
+        """Write the durable copy of the memory file (once, right after the build; blocking)."""
+        tmp = self.dir / "memory.tmp"
+        materialize(self.mem_file, [], tmp)
+        _fsync(tmp)
+        os.replace(tmp, self.memory_copy)
+
+    def ensure_memory(self) -> None:
+        """Bring the memory file back onto tmpfs from the durable copy if it is gone (blocking:
+        a sparse copy of the pages the template touched, once after a host reboot)."""
+        if self.mem_file.exists():
+            return
+        self.mem_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.mem_file.with_name(f"{self.mem_file.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+        materialize(self.memory_copy, [], tmp)
+        os.replace(tmp, self.mem_file)
+
     def save(self) -> None:
         d = asdict(self)
         d["dir"] = str(self.dir)
@@ -51,8 +80,8 @@ class TemplateSnapshot:
 
     @classmethod
     def load(cls, dir: Path) -> TemplateSnapshot | None:
-        """The snapshot in ``dir`` if it is complete and its memory file still exists (tmpfs
-        is empty after a host reboot, so the template must be snapshotted again)."""
+        """The snapshot in ``dir`` if it is complete: device state, disk, and its memory file
+        or the durable copy of it (``ensure_memory`` brings the file back before use)."""
         try:
             d = json.loads((dir / "meta.json").read_text())
         except (OSError, ValueError):
@@ -60,6 +89,14 @@ class TemplateSnapshot:
         d["dir"] = Path(d["dir"])
         d["mem_file"] = Path(d["mem_file"])
         snap = cls(**d)
-        if not (snap.mem_file.exists() and snap.state.exists() and snap.disk.exists()):
+        if not ((snap.mem_file.exists() or snap.memory_copy.exists()) and snap.state.exists() and snap.disk.exists()):
             return None
         return snap
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
