@@ -211,6 +211,44 @@ def test_get_host_reaches_a_server_in_the_sandbox(sdk: SDK) -> None:
     assert out["killed"] == [502, {"sandboxId": sid, "message": "The sandbox was not found", "code": 502}]
 
 
+def test_get_host_reaches_a_server_that_listens_on_loopback_only(sdk: SDK) -> None:
+    """Servers that bind 127.0.0.1 (dev servers, notebooks) are reachable as E2B's envd makes
+    them: the guest agent forwards the port once the proxy finds it closed. Once the server
+    stops, the port is closed again."""
+    out = sdk.python(PY_LATEST, """
+        import json, os, time, httpx
+        from e2b import Sandbox
+        server = os.environ["AENV_TEST_SERVER"]
+        sb = Sandbox.create(timeout=120)
+        sb.files.write("/home/user/www/hello.txt", "only on loopback")
+        cmd = sb.commands.run("python3 -m http.server 8123 --bind 127.0.0.1", background=True, cwd="/home/user/www")
+        o = {"id": sb.sandbox_id}
+        for _ in range(100):
+            r = httpx.get(server + "/hello.txt", headers={"Host": sb.get_host(8123)}, timeout=30)
+            if r.status_code == 200:
+                break
+            time.sleep(0.2)
+        o["get"] = [r.status_code, r.text]
+        o["again"] = httpx.get(server + "/hello.txt", headers={"Host": sb.get_host(8123)}).status_code
+        o["tcp"] = sb.commands.run("cat /proc/net/tcp").stdout
+        cmd.kill()
+        time.sleep(1)
+        r = httpx.get(server + "/hello.txt", headers={"Host": sb.get_host(8123)}, timeout=30)
+        o["stopped"] = r.status_code
+        r = httpx.post(server + "/port-forward?port=8123", headers={"E2b-Sandbox-Id": sb.sandbox_id,
+                       "E2b-Sandbox-Port": "49983"})
+        o["internal"] = r.status_code
+        sb.kill()
+        print(json.dumps(o))
+    """)
+    assert out["get"] == [200, "only on loopback"], out
+    assert out["again"] == 200
+    listeners = [ln.split()[1] for ln in out["tcp"].splitlines()[1:] if ln.split()[3] == "0A"]
+    assert "0100007F:1FBB" in listeners  # the server itself stays on loopback
+    assert out["stopped"] == 502
+    assert out["internal"] == 404  # the forward is asked for by the server only
+
+
 def test_metrics_are_read_from_the_guest(sdk: SDK) -> None:
     out = sdk.python(PY_LATEST, """
         import json, datetime

@@ -122,3 +122,27 @@ def test_websocket_to_a_closed_port_is_502(e2b_server: ServerProcess, api: httpx
         assert err.response.status_code == 502 and b"port is not open" in err.response.body
     finally:
         api.delete(f"/sandboxes/{sid}")
+
+
+def test_websocket_to_a_server_on_the_guests_loopback(e2b_server: ServerProcess, api: httpx.Client) -> None:
+    """A WebSocket server bound to 127.0.0.1 in the guest is reached through the agent's forward."""
+    sid = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+    try:
+        script = ECHO_SERVER.replace('("0.0.0.0", 8765)', '("127.0.0.1", 8766)')
+        assert api.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/ws.py"}, content=script.encode()).status_code == 204
+        assert api.post(f"/sandboxes/{sid}/exec", json={"cmd": "nohup python3 /tmp/ws.py >/dev/null 2>&1 &"}).status_code == 200
+
+        async def scenario() -> str:
+            url = e2b_server.url.replace("http://", "ws://") + "/"
+            for _ in range(100):
+                try:
+                    async with connect(url, additional_headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8766"}) as ws:
+                        await ws.send("via loopback")
+                        return str(await ws.recv())
+                except InvalidStatus:
+                    await asyncio.sleep(0.2)
+            return "never connected"
+
+        assert asyncio.run(scenario()) == "echo:via loopback"
+    finally:
+        api.delete(f"/sandboxes/{sid}")

@@ -512,6 +512,14 @@ class EnvdClient:
             raise _error_from_body(resp.status_code, resp.content)
         return resp.json()
 
+    async def forward_port(self, port: int) -> bool:
+        """``POST /port-forward``: make a service that listens only on the guest's loopback at
+        ``port`` reachable on the address this client dials; False if nothing listens there."""
+        resp = await self._request("POST", "/port-forward", params={"port": str(port)}, headers=self._headers())
+        if resp.status_code != 200:
+            raise _error_from_body(resp.status_code, resp.content)
+        return bool(resp.json().get("forwarding"))
+
     def _file_params(self, path: str, user: str | None) -> dict[str, str]:
         return {"path": path, **({"username": user} if user else {})}
 

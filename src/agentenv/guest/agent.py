@@ -69,6 +69,7 @@ from agentlib.fsutil import (
     remove,
 )
 from agentlib.httpio import Request, Response, read_envelopes, read_request
+from agentlib.ports import PortForwarder
 from agentlib.process import ProcessManager
 from agentlib.watch import WatchService
 
@@ -105,6 +106,7 @@ class Agent:
         self._load_state()
         self.procs = ProcessManager(self)
         self.files = FilesService(self)
+        self.ports = PortForwarder()
         self.unary = {
             "process.Process/List": self.procs.rpc_list,
             "process.Process/SendSignal": self.procs.rpc_send_signal,
@@ -166,6 +168,12 @@ class Agent:
             return await self.files.compose(req, resp)
         if path == "/envs" and method == "GET":
             return await resp.send_json(200, self.env_vars, {"Cache-Control": "no-store"})
+        if path == "/port-forward" and method == "POST":  # the host's proxy, for a closed port
+            port = int(req.query.get("port", "0")) if req.query.get("port", "").isdigit() else 0
+            if not 0 < port < 65536:
+                raise HttpError(400, "port must be a TCP port number")
+            bind = req.writer.get_extra_info("sockname")[0]
+            return await resp.send_json(200, {"forwarding": await self.ports.ensure(port, bind)})
         if path == "/metrics" and method == "GET":
             return await resp.send_json(200, await blocking(metrics.collect), {"Cache-Control": "no-store"})
         if re.fullmatch(r"/[\w.]+\.\w+/\w+", path):

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from agentenv.envd_client import EnvdError
 from agentenv.errors import NotFound, SandboxStateError
 from agentenv.orchestrator import Orchestrator, State
 from agentenv.proxy import websocket
@@ -30,7 +31,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 ENVD_PORT = 49983
 # envd's control routes, never reachable from outside (E2B's edge answers 404).
-INTERNAL_ENVD_PATHS = frozenset({"/init", "/upgrade", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
+INTERNAL_ENVD_PATHS = frozenset({"/init", "/port-forward", "/upgrade", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                         b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host"})
 # Headers httpx adds to every request unless told otherwise. An Accept-Encoding the client did
@@ -156,6 +157,16 @@ class SandboxProxy:
                 verify=False)  # plain HTTP to the guest: no TLS context to build (~50 ms per client)
         return client
 
+    async def forward_loopback(self, sandbox_id: str, port: int) -> bool:
+        """After a refused dial: ask the guest agent to forward ``port`` if a service listens on
+        it on the guest's loopback only (as E2B's envd does). True once a forward is (newly) up."""
+        if port == ENVD_PORT:
+            return False
+        try:
+            return await self.orch.envd(sandbox_id).forward_port(port)
+        except (EnvdError, NotFound, SandboxStateError):
+            return False
+
     async def _lookup(self, sandbox_id: str, port: int, headers: dict[bytes, bytes]) -> tuple[str, dict[str, Any]]:
         await self._auto_resume(sandbox_id)
         try:
@@ -243,6 +254,8 @@ class SandboxProxy:
                 except (httpx.ConnectError, httpx.ConnectTimeout):
                     if self._running(sandbox_id) is False:
                         raise not_found(sandbox_id) from None
+                    if await self.forward_loopback(sandbox_id, port):
+                        continue  # a loopback-only service: dial again, through the guest's forward
                     if attempt + 1 < self.dial_attempts:
                         await asyncio.sleep(self.dial_delay_s)
             if resp is None:

@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 if TYPE_CHECKING:
@@ -37,9 +37,17 @@ async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Sen
     url = f"ws://{addr}:{port}{scope.get('path', '/')}" + (f"?{qs}" if qs else "")
     if (await receive())["type"] != "websocket.connect":
         return
+    async def dial() -> ClientConnection:
+        return await connect(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
+                             max_size=None, open_timeout=10, ping_interval=None, compression=None)
+
     try:
-        up = await connect(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
-                           max_size=None, open_timeout=10, ping_interval=None, compression=None)
+        try:
+            up = await dial()
+        except OSError:
+            if not await proxy.forward_loopback(sandbox_id, port):  # a loopback-only service?
+                raise
+            up = await dial()
     except (OSError, InvalidHandshake, TimeoutError) as exc:
         if isinstance(exc, InvalidStatus):
             status = exc.response.status_code
