@@ -12,6 +12,7 @@
     │   ├── RegistryAuthFailed    401: the registry refused the (missing or given) credentials
     │   ├── ImageCorrupt          422: a blob fails its digest, a layer is truncated or corrupt
     │   ├── SandboxStateError     409: the sandbox is not in a state that allows this
+    │   ├── IdempotencyKeyReused  422: an Idempotency-Key sent again with a different request
     │   └── CapacityExhausted     429/503: the node is full
     └── PlatformError             the platform failed (5xx, never silent)
         ├── ProvisioningError     kernel / images / packages missing or failed to build
@@ -111,6 +112,10 @@ class SandboxStateError(RequestError):
         super().__init__(f"sandbox '{sandbox_id}' is {state}; this operation needs it {required}")
         self.state = state
         self.required = required
+
+
+class IdempotencyKeyReused(RequestError):
+    code = "idempotency_key_reused"
 
 
 class CapacityExhausted(RequestError):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -106,3 +108,31 @@ def test_openapi_document_is_served(server: ServerProcess) -> None:
               "/sandboxes/{sandbox_id}/exec", "/sandboxes/{sandbox_id}/files", "/templates", "/health"):
         assert p in paths, p
     assert "post" in paths["/sandboxes"] and "delete" in paths["/sandboxes/{sandbox_id}"]
+
+
+def test_create_retried_with_an_idempotency_key_makes_one_sandbox(api: httpx.Client, server: ServerProcess) -> None:
+    """A trainer that lost the answer to a create retries with the same key: it gets the same
+    sandbox (id and token), concurrently or later, and across a server restart."""
+    key = f"rollout-{time.time_ns()}"
+    body = {"templateID": "base", "timeout": 120, "metadata": {"k": key}}
+    with ThreadPoolExecutor(3) as ex:
+        answers = list(ex.map(lambda _: api.post("/sandboxes", json=body, headers={"Idempotency-Key": key}),
+                              range(3)))
+    assert [r.status_code for r in answers] == [201, 201, 201], [r.text for r in answers]
+    assert len({(r.json()["sandboxID"], r.json()["envdAccessToken"]) for r in answers}) == 1
+    assert sorted(r.headers.get("idempotent-replayed", "") for r in answers) == ["", "true", "true"]
+    sid = answers[0].json()["sandboxID"]
+    try:
+        listed = api.get("/sandboxes", params={"metadata": f"k={key}"}).json()
+        assert [s["sandboxID"] for s in listed] == [sid]
+        r = api.post("/sandboxes", json={**body, "timeout": 60}, headers={"Idempotency-Key": key})
+        assert r.status_code == 422 and "different create request" in r.json()["message"]
+        server.stop(signal.SIGKILL)
+        server.start()
+        r = api.post("/v2/sandboxes", json=body, headers={"Idempotency-Key": key})
+        assert r.status_code == 201 and r.json()["sandboxID"] == sid and r.headers["idempotent-replayed"] == "true"
+    finally:
+        assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    r = api.post("/sandboxes", json=body, headers={"Idempotency-Key": key})  # the sandbox is gone: a new one
+    assert r.status_code == 201 and r.json()["sandboxID"] != sid
+    api.delete(f"/sandboxes/{r.json()['sandboxID']}")

@@ -22,6 +22,7 @@ STATUS: dict[type[BaseException], int] = {
     e.InvalidRequest: 400,
     e.NotFound: 404,
     e.SandboxStateError: 409,
+    e.IdempotencyKeyReused: 422,
     e.CapacityExhausted: 429,
     e.DiskFull: 507,
     e.SnapshotUnusable: 422,

@@ -25,6 +25,7 @@ from agentenv.envd_client import EnvdClient, EnvdError
 from agentenv.errors import GuestError, InvalidRequest, SandboxStateError
 from agentenv.network import Slot, set_egress
 from agentenv.orchestrator.cleanup import Cleanup
+from agentenv.orchestrator.idempotency import OPTION as IDEMPOTENCY
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
 from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.sandbox import LiveSandbox
@@ -124,8 +125,9 @@ async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env
 
 def _child_options(options: dict[str, Any]) -> dict[str, Any]:
     """A child keeps the source's network policy and lifecycle options; a private sandbox's
-    traffic token is its own."""
+    traffic token is its own, and the create's Idempotency-Key stays with the source."""
     out = dict(options)
+    out.pop(IDEMPOTENCY, None)
     if "trafficAccessToken" in out:
         out["trafficAccessToken"] = new_access_token()
     return out

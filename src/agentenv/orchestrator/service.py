@@ -26,6 +26,7 @@ from agentenv.errors import (
 from agentenv.images.registry import RegistrySettings
 from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
 from agentenv.orchestrator.checkpoints import Checkpointer
+from agentenv.orchestrator.idempotency import CreateOnce
 from agentenv.orchestrator.lifecycle import ACTIVE, State, allowed
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.sandbox import LiveSandbox
@@ -59,6 +60,7 @@ class Orchestrator:
             guest_aslr=settings.guest_aslr,
         )
         self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots)
+        self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
         self.repo = SnapshotRepository(settings.repository)
         self.checkpoints = Checkpointer(
             self.repo, sock_dir=settings.sock_dir, accel=self.accel, tb_size_mb=settings.tcg_tb_size_mb,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
+import json
 from datetime import UTC, datetime
 from typing import Annotated, Any
 from urllib.parse import unquote
@@ -26,6 +28,7 @@ from agentenv.api.models import (
 from agentenv.api.routes import orch_of
 from agentenv.errors import InvalidRequest, RequestError
 from agentenv.orchestrator import Orchestrator, SandboxRecord, State
+from agentenv.orchestrator.idempotency import OPTION as IDEMPOTENCY
 from agentenv.orchestrator.ids import new_access_token
 from agentenv.orchestrator.lifecycle import api_state
 
@@ -83,24 +86,39 @@ def _create_options(body: NewSandbox) -> dict[str, Any]:
     return opts
 
 
-async def _create(body: NewSandbox, request: Request) -> Sandbox:
-    rec = await orch_of(request).create(
-        body.templateID, vcpus=body.cpuCount, memory_mb=body.memoryMB, timeout_s=body.timeout,
-        metadata=body.metadata, env_vars=body.envVars, options=_create_options(body),
-    )
+async def _create(body: NewSandbox, request: Request, response: Response) -> Sandbox:
+    """With an ``Idempotency-Key`` header, a retry gets the sandbox the first request made
+    (``Idempotent-Replayed: true``) instead of a second one (orchestrator/idempotency.py)."""
+    orch = orch_of(request)
+    options = _create_options(body)
+
+    async def make(idempotency: dict[str, str] | None = None) -> SandboxRecord:
+        return await orch.create(
+            body.templateID, vcpus=body.cpuCount, memory_mb=body.memoryMB, timeout_s=body.timeout,
+            metadata=body.metadata, env_vars=body.envVars,
+            options={**options, **({IDEMPOTENCY: idempotency} if idempotency else {})})
+
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        rec = await make()
+    else:
+        canonical = json.dumps(body.model_dump(mode="json", exclude_unset=True), sort_keys=True)
+        rec, replayed = await orch.creates.create(key, hashlib.sha256(canonical.encode()).hexdigest(), make)
+        if replayed:
+            response.headers["Idempotent-Replayed"] = "true"
     return Sandbox.of(rec, _domain(request))
 
 
 @router.post("/sandboxes", status_code=201, response_model=Sandbox, response_model_exclude_none=True)
-async def create_sandbox(body: NewSandbox, request: Request) -> Sandbox:
+async def create_sandbox(body: NewSandbox, request: Request, response: Response) -> Sandbox:
     """v1 create (SDK ≤ 2.45). The envd access token is always returned: every sandbox's
     agent checks it, whether or not the caller asked for ``secure``."""
-    return await _create(body, request)
+    return await _create(body, request, response)
 
 
 @router.post("/v2/sandboxes", status_code=201, response_model=Sandbox, response_model_exclude_none=True)
-async def create_sandbox_v2(body: NewSandbox, request: Request) -> Sandbox:
-    return await _create(body, request)
+async def create_sandbox_v2(body: NewSandbox, request: Request, response: Response) -> Sandbox:
+    return await _create(body, request, response)
 
 
 # -- list -----------------------------------------------------------------------------------
