@@ -232,9 +232,21 @@ def test_get_host_reaches_a_server_that_listens_on_loopback_only(sdk: SDK) -> No
         o["again"] = httpx.get(server + "/hello.txt", headers={"Host": sb.get_host(8123)}).status_code
         o["tcp"] = sb.commands.run("cat /proc/net/tcp").stdout
         cmd.kill()
-        time.sleep(1)
-        r = httpx.get(server + "/hello.txt", headers={"Host": sb.get_host(8123)}, timeout=30)
-        o["stopped"] = r.status_code
+        for _ in range(50):  # the agent drops the forward within a second or two
+            r = httpx.get(server + "/hello.txt", headers={"Host": sb.get_host(8123)}, timeout=30)
+            if r.status_code == 502 and "port is not open" in r.text:
+                break
+            time.sleep(0.2)
+        o["stopped"] = [r.status_code, r.text]
+        # the port is free again: a server on all addresses can take it
+        sb.commands.run("python3 -m http.server 8123", background=True, cwd="/home/user/www")
+        for _ in range(100):
+            r = httpx.get(server + "/hello.txt", headers={"Host": sb.get_host(8123)}, timeout=30)
+            if r.status_code == 200:
+                break
+            time.sleep(0.2)
+        o["rebound"] = r.status_code
+        o["tcp_after"] = sb.commands.run("cat /proc/net/tcp").stdout
         r = httpx.post(server + "/port-forward?port=8123", headers={"E2b-Sandbox-Id": sb.sandbox_id,
                        "E2b-Sandbox-Port": "49983"})
         o["internal"] = r.status_code
@@ -245,7 +257,10 @@ def test_get_host_reaches_a_server_that_listens_on_loopback_only(sdk: SDK) -> No
     assert out["again"] == 200
     listeners = [ln.split()[1] for ln in out["tcp"].splitlines()[1:] if ln.split()[3] == "0A"]
     assert "0100007F:1FBB" in listeners  # the server itself stays on loopback
-    assert out["stopped"] == 502
+    assert out["stopped"][0] == 502 and "port is not open" in out["stopped"][1], out["stopped"]
+    assert out["rebound"] == 200
+    listeners = [ln.split()[1] for ln in out["tcp_after"].splitlines()[1:] if ln.split()[3] == "0A"]
+    assert "00000000:1FBB" in listeners  # 0.0.0.0:8123, the second server's own
     assert out["internal"] == 404  # the forward is asked for by the server only
 
 

@@ -105,6 +105,10 @@ async def test_download_of_incompressible_data_is_not_gzipped(http: httpx.AsyncC
             assert resp.status_code == 200 and "content-encoding" not in resp.headers, accept
             assert int(resp.headers["content-length"]) == len(data)
             assert b"".join([c async for c in resp.aiter_raw()]) == data
+    async with http.stream("GET", "/files", params={"path": str(tmp_path / "r.bin")},
+                           headers={"Accept-Encoding": "gzip, identity;q=0"}) as resp:  # identity refused
+        assert resp.headers["content-encoding"] == "gzip"
+        assert gzip.decompress(b"".join([c async for c in resp.aiter_raw()])) == data
 
 
 async def test_200mb_both_ways_with_bounded_memory(agent, http: httpx.AsyncClient, client: EnvdClient,

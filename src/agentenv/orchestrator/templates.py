@@ -8,6 +8,7 @@ sandbox of that shape is a restore, never a boot. See docs/mechanisms/snapshots.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -30,6 +31,7 @@ from agentenv.storage import (
     remove_tree,
     seal_readonly,
 )
+from agentenv.storage.template_snapshot import TMP_SUFFIX
 from agentenv.vmm import AccelInfo, Machine, MachineSpec
 
 log = logging.getLogger(__name__)
@@ -149,13 +151,19 @@ class SnapshotBuilder:
                 snap.mem_file.unlink(missing_ok=True)
             shutil.rmtree(d, ignore_errors=True)
             removed.append(str(d))
-        # memory files no snapshot owns (a build cut short by a crash)
+        # memory files no snapshot owns (a build cut short by a crash), and copies back from
+        # the data disk that a crash interrupted (a copy in progress is minutes younger)
         owned = {str(s.mem_file) for m in self.root.glob("*/snapshots/*/meta.json")
                  if (s := TemplateSnapshot.load(m.parent)) is not None}
         for mem in self.mem_dir.glob("*.mem") if self.mem_dir.exists() else ():
             if str(mem) not in owned and str(mem) not in keep:
                 mem.unlink(missing_ok=True)
                 removed.append(str(mem))
+        for tmp in self.mem_dir.glob(f"*.mem.*{TMP_SUFFIX}") if self.mem_dir.exists() else ():
+            with contextlib.suppress(OSError):
+                if time.time() - tmp.stat().st_mtime > 600:
+                    tmp.unlink()
+                    removed.append(str(tmp))
         for d in removed:
             log.info("removed stale template snapshot %s", d)
         return removed
@@ -183,6 +191,8 @@ class SnapshotBuilder:
             elif not snap.mem_file.exists():  # after a host reboot: the same snapshot, not a new one
                 await asyncio.to_thread(snap.ensure_memory)
                 log.info("template %s: memory file %s restored from %s", t.name, snap.mem_file, snap.memory_copy)
+            elif not snap.memory_copy.exists():  # made before durable copies were kept
+                await asyncio.to_thread(snap.keep_memory)
             self._cache[key] = snap
             return snap
 

@@ -243,7 +243,8 @@ class SandboxProxy:
             nonlocal started
             client = await self._http_client(sandbox_id)
             resp = None
-            for attempt in range(self.dial_attempts):
+            attempts, forwarded = self.dial_attempts, False
+            while attempts:
                 req = client.build_request(scope["method"], url, headers=fwd,
                                            content=request_body() if has_body else None)
                 for name in _CLIENT_DEFAULTS - headers.keys():  # forward what the client sent, no more
@@ -251,12 +252,15 @@ class SandboxProxy:
                 try:
                     resp = await client.send(req, stream=True)
                     break
-                except (httpx.ConnectError, httpx.ConnectTimeout):
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                     if self._running(sandbox_id) is False:
                         raise not_found(sandbox_id) from None
-                    if await self.forward_loopback(sandbox_id, port):
-                        continue  # a loopback-only service: dial again, through the guest's forward
-                    if attempt + 1 < self.dial_attempts:
+                    if (not forwarded and isinstance(exc, httpx.ConnectError)
+                            and await self.forward_loopback(sandbox_id, port)):
+                        forwarded = True
+                        continue  # a loopback-only service: dial again now, through the guest's forward
+                    attempts -= 1
+                    if attempts:
                         await asyncio.sleep(self.dial_delay_s)
             if resp is None:
                 raise port_closed(sandbox_id, port)

@@ -44,7 +44,7 @@ async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Sen
     try:
         try:
             up = await dial()
-        except OSError:
+        except ConnectionRefusedError:
             if not await proxy.forward_loopback(sandbox_id, port):  # a loopback-only service?
                 raise
             up = await dial()

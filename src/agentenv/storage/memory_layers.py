@@ -492,7 +492,7 @@ def _copy_range(src: int, dst: int, start: int, end: int) -> None:
             off += n
         return
     except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS):
+        if exc.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
     while off < end:
         data = os.pread(src, min(end - off, 8 << 20), off)
@@ -538,6 +538,6 @@ def materialize(base: Path, chain: Sequence[Path], out: Path) -> int:
     except OSError as exc:
         out.unlink(missing_ok=True)
         if exc.errno == 28:
-            raise DiskFull(f"no space left on {out.parent} for a fork's memory file") from exc
+            raise DiskFull(f"no space left on {out.parent} for the memory file {out.name}") from exc
         raise StorageError(f"cannot write memory file {out}: {exc}") from exc
     return written

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from agentenv.storage.memory_layers import materialize
 
+TMP_SUFFIX = ".tmp"  # memory files being copied back; left behind only by a crash
+
 
 @dataclass(frozen=True)
 class TemplateSnapshot:
@@ -54,21 +56,31 @@ class TemplateSnapshot:
         return self.dir / "memory"
 
     def keep_memory(self) -> None:
-        """Write the durable copy of the memory file (once, right after the build; blocking)."""
+        """Write the durable copy of the memory file (right after the build, or once for a
+        snapshot made before copies were kept; blocking). Durable before it is relied on."""
         tmp = self.dir / "memory.tmp"
         materialize(self.mem_file, [], tmp)
         _fsync(tmp)
         os.replace(tmp, self.memory_copy)
+        _fsync(self.dir)
 
     def ensure_memory(self) -> None:
         """Bring the memory file back onto tmpfs from the durable copy if it is gone (blocking:
-        a sparse copy of the pages the template touched, once after a host reboot)."""
+        a sparse copy of the pages the template touched, once after a host reboot). Callers
+        racing here each copy, but only the first copy is linked in: a VM that maps it keeps
+        mapping the file every later user maps."""
         if self.mem_file.exists():
             return
         self.mem_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.mem_file.with_name(f"{self.mem_file.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-        materialize(self.memory_copy, [], tmp)
-        os.replace(tmp, self.mem_file)
+        tmp = self.mem_file.with_name(f"{self.mem_file.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
+        try:
+            materialize(self.memory_copy, [], tmp)
+            try:
+                os.link(tmp, self.mem_file)
+            except FileExistsError:
+                pass  # another caller was first
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def save(self) -> None:
         d = asdict(self)
@@ -95,6 +107,7 @@ class TemplateSnapshot:
 
 
 def _fsync(path: Path) -> None:
+    """fsync a file, or a directory (which makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

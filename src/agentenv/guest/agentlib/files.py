@@ -107,7 +107,11 @@ class FilesService:
             # images, binaries and random bytes go as they are, at full speed (deflating them
             # only burns the sandbox's CPU: ~5 MB/s under TCG, vs ~40 MB/s unencoded).
             deflate = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)
-            if encoding == "gzip" and (data := await blocking(compress_start, fd, deflate)) is not None:
+            data = None
+            if encoding == "gzip":
+                identity_ok = negotiate_encoding(req.headers.get("accept-encoding"), gzip=False) is not None
+                data = await blocking(compress_start, fd, deflate, identity_ok)
+            if data is not None:
                 await resp.start(200, {**headers, "Content-Encoding": "gzip"})
                 offset = FILE_CHUNK
                 while True:
@@ -246,8 +250,9 @@ class FilesService:
         return item
 
 
-def negotiate_encoding(accept: str | None) -> str | None:
-    """``gzip`` if the client accepts it, else ``identity`` unless refused (then None: 406)."""
+def negotiate_encoding(accept: str | None, gzip: bool = True) -> str | None:
+    """``gzip`` if the client accepts it (and ``gzip`` is offered), else ``identity`` unless
+    refused (then None: 406)."""
     if not accept:
         return "identity"
     q: dict[str, float] = {}
@@ -260,7 +265,7 @@ def negotiate_encoding(accept: str | None) -> str | None:
             except ValueError:
                 weight = 0.0
         q[coding.strip().lower()] = weight
-    if q.get("gzip", q.get("x-gzip", q.get("*", 0.0))) > 0:
+    if gzip and q.get("gzip", q.get("x-gzip", q.get("*", 0.0))) > 0:
         return "gzip"
     return "identity" if q.get("identity", q.get("*", 1.0)) > 0 else None
 
@@ -282,12 +287,13 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, end
 
 
-def compress_start(fd: int, deflate: Any) -> bytes | None:
-    """The file's first FILE_CHUNK compressed, or None when deflate does not shrink its first
-    SAMPLE bytes below 90 % (or the file is empty): then it is better sent as it is."""
+def compress_start(fd: int, deflate: Any, sample: bool) -> bytes | None:
+    """The file's first FILE_CHUNK compressed; with ``sample`` (the client also takes identity),
+    None when deflate does not shrink its first SAMPLE bytes below 90 % (or the file is empty):
+    then it is better sent as it is."""
     data = os.pread(fd, FILE_CHUNK, 0)
     head = data[:SAMPLE]
-    if not head or len(zlib.compress(head, GZIP_LEVEL)) >= 0.9 * len(head):
+    if sample and (not head or len(zlib.compress(head, GZIP_LEVEL)) >= 0.9 * len(head)):
         return None
     return deflate.compress(data)
 

@@ -5,7 +5,9 @@ ports to the sandbox's external address so that ``get_host(port)`` reaches them;
 forward is made on demand: when the host's proxy finds a port closed it asks ``POST
 /port-forward?port=N`` (host only, like ``/init``), and if a loopback listener is there, the
 agent accepts on the address the host dials and relays each connection to it. Nothing is
-polled, so an idle sandbox spends no CPU on this. A forward closes once its listener is gone.
+polled while no forward exists, so an idle sandbox spends no CPU on this; while forwards
+exist, their listeners are checked every WATCH_S and a forward whose listener is gone is
+closed (it would otherwise hold the port against a server started again on 0.0.0.0).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _LOOPBACK = {
     "/proc/net/tcp6": ("00000000000000000000000001000000", "::1"),
 }
 _RELAY_CHUNK = 64 * 1024
+WATCH_S = 1.0
 
 
 def loopback_listener(port: int) -> str | None:
@@ -47,6 +50,7 @@ class PortForwarder:
 
     def __init__(self) -> None:
         self._servers: dict[int, asyncio.Server] = {}
+        self._watcher: asyncio.Task | None = None
 
     async def ensure(self, port: int, bind: str) -> bool:
         """Forward ``bind:port`` to the loopback listener on ``port``; False if there is none."""
@@ -64,7 +68,17 @@ class PortForwarder:
             raise
         self._servers[port] = server
         log(f"forwarding {bind}:{port} to {target}:{port} (a loopback-only listener)")
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch())
         return True
+
+    async def _watch(self) -> None:
+        """Close forwards whose listener is gone; ends with the last forward."""
+        while self._servers:
+            await asyncio.sleep(WATCH_S)
+            for port in list(self._servers):
+                if loopback_listener(port) is None:
+                    self._close(port)
 
     async def _relay(self, port: int, target: str, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
