@@ -44,10 +44,11 @@ def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: 
 
 @pytest.fixture(scope="module")
 def small_disk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A node whose data dir is a 96 MiB tmpfs, with no warm pool, no ready network slots (so
-    every namespace it has belongs to a sandbox) and room for 2 sandboxes."""
+    """A node whose data dir is a 256 MiB tmpfs (the template snapshot, with its ~100 MiB memory
+    copy, fits; little else does), with no warm pool, no ready network slots (so every
+    namespace it has belongs to a sandbox) and room for 2 sandboxes."""
     mnt = tmp_path_factory.mktemp("smalldisk")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(mnt)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mnt)], check=True)
     s = ServerProcess(mnt / "data", node_cidr(16), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
                       AENV_MAX_SANDBOXES="2")
     try:
@@ -78,7 +79,7 @@ def test_disk_full_while_creating_leaves_nothing(small_disk_server: ServerProces
         first = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
         before = (host.sandbox_dirs(data), host.qemu_pids(str(data)), host.node_netns(data))
         filler = data / "filler"
-        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=200"], capture_output=True)
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=400"], capture_output=True)
         try:
             r = api.post("/sandboxes", json={"templateID": "base"})
             assert r.status_code == 507, r.text
