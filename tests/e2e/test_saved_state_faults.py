@@ -198,7 +198,7 @@ def test_sigterm_with_pause_on_stop_pauses_and_a_restart_resumes(node: ServerPro
 
 def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pytest.TempPathFactory) -> None:
     mnt = tmp_path_factory.mktemp("pausefull")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(mnt)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320m", "tmpfs", str(mnt)], check=True)
     s = ServerProcess(mnt / "data", node_cidr(21), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0")
     try:
         s.start()
@@ -206,7 +206,7 @@ def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pyte
             sid = busy_sandbox(api)
             run(api, sid, "head -c 20971520 /dev/urandom > /dev/shm/big")
             filler = s.data_dir / "filler"
-            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=400"], capture_output=True)
+            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=600"], capture_output=True)
             with open(filler, "r+b") as f:  # leave 4 MiB: the layer write itself runs out of space
                 f.truncate(max(0, filler.stat().st_size - (4 << 20)))
             r = api.post(f"/sandboxes/{sid}/pause")
