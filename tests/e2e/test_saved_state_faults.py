@@ -222,8 +222,8 @@ def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pyte
             assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
             assert api.post(f"/sandboxes/{sid}/resume").status_code == 201
             assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\n"
-        s.kill_all()
     finally:
+        s.kill_all()  # also when an assertion failed: no VM or tmpfs memory file outlives the test
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
