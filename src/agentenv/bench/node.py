@@ -93,7 +93,7 @@ class LocalNode:
         node's host-wide leftovers (memory files on tmpfs, nft table, socket dir)."""
         if self.proc is not None:
             with self.client() as c:
-                for sb in c.get("/sandboxes", params={"state": ",".join(s.value for s in State)}).json():
+                for sb in all_sandboxes(c):
                     c.delete(f"/sandboxes/{sb['sandboxID']}")
             self.stop()
         settings = Settings(data_dir=self.data_dir)
@@ -101,6 +101,13 @@ class LocalNode:
         shutil.rmtree(settings.sock_dir, ignore_errors=True)
         subprocess.run(["nft", "delete", "table", "inet", f"aenv_{settings.instance_tag[:4]}"],
                        capture_output=True)
+
+
+def all_sandboxes(api: httpx.Client) -> list[dict]:
+    """Every sandbox of the node, whatever its state (a plain list shows running and paused)."""
+    r = api.get("/sandboxes", params={"state": ",".join(s.value for s in State)})
+    r.raise_for_status()
+    return r.json()  # type: ignore[no-any-return]
 
 
 def qemu_pids(marker: str) -> set[int]:

@@ -466,6 +466,15 @@ def _write_newest(f: BinaryIO, index: _Chain, digest: xxhash.xxh3_128) -> None:
         digest.update(block)
 
 
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (which makes a rename in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def file_digest(path: Path) -> str:
     """xxh3-128 of a file, as recorded for every layer (the repository verifies with it)."""
     h = xxhash.xxh3_128()

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from agentenv.errors import SnapshotNotFound, SnapshotUnusable, StorageError
-from agentenv.storage.memory_layers import file_digest
+from agentenv.storage.memory_layers import file_digest, fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -185,11 +185,7 @@ class SnapshotRepository:
                 os.fsync(f.fileno())
         os.replace(tmp, self.manifests / f"{cp.id}.json")
         if durable:
-            dfd = os.open(self.manifests, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            fsync_path(self.manifests)
 
     def get(self, id_or_name: str) -> Checkpoint:
         if not NAME_RE.fullmatch(id_or_name):

@@ -23,7 +23,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agentenv.storage.memory_layers import materialize
+from agentenv.storage.memory_layers import fsync_path, materialize
 
 TMP_SUFFIX = ".tmp"  # memory files being copied back; left behind only by a crash
 
@@ -60,9 +60,9 @@ class TemplateSnapshot:
         snapshot made before copies were kept; blocking). Durable before it is relied on."""
         tmp = self.dir / "memory.tmp"
         materialize(self.mem_file, [], tmp)
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, self.memory_copy)
-        _fsync(self.dir)
+        fsync_path(self.dir)
 
     def ensure_memory(self) -> None:
         """Bring the memory file back onto tmpfs from the durable copy if it is gone (blocking:
@@ -105,11 +105,3 @@ class TemplateSnapshot:
             return None
         return snap
 
-
-def _fsync(path: Path) -> None:
-    """fsync a file, or a directory (which makes a rename in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
