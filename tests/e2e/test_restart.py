@@ -19,13 +19,17 @@ def test_restart_readopts_running_sandboxes(tmp_path: Path) -> None:
         with s.client() as api:
             keep = api.post("/sandboxes", json={"templateID": "base", "metadata": {"k": "v"}}).json()["sandboxID"]
             doomed = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+            garbled = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
             run(api, keep, "echo before > /home/user/state.txt; (sleep 1000 &) ; true")
             (doomed_pid,) = host.qemu_pids(doomed)
         # uvicorn re-raises the signal after its graceful shutdown, hence -SIGTERM.
         assert s.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
-        assert "orchestrator stopped cleanly; 2 running and 0 paused sandboxes left" in s.log.read_text()
+        assert "orchestrator stopped cleanly; 3 running and 0 paused sandboxes left" in s.log.read_text()
         assert host.qemu_pids(keep), "SIGTERM must not kill sandboxes"
         os.kill(doomed_pid, signal.SIGKILL)  # this one dies while the server is down
+        # This one's record of its machine is damaged (say, by a version that wrote other fields):
+        # the server must still start, fail that sandbox with the reason and stop its QEMU.
+        (s.data_dir / "sandboxes" / garbled / "machine.json").write_text('{"pid_file": "x"}')
         s.start()
         with s.client() as api:
             assert api.get(f"/sandboxes/{keep}").json()["state"] == "running"
@@ -34,6 +38,10 @@ def test_restart_readopts_running_sandboxes(tmp_path: Path) -> None:
             assert run(api, keep, "pgrep -c sleep")["stdout"].strip() == "1"
             r = api.get(f"/sandboxes/{doomed}")
             assert r.status_code == 410 and r.json()["state"] == "error" and "gone" in r.json()["error"]
+            r = api.get(f"/sandboxes/{garbled}")
+            assert r.status_code == 410 and "machine record is unreadable" in r.json()["error"]
+            assert host.qemu_pids(garbled) == set(), "a sandbox that failed re-adoption keeps no QEMU"
+            assert api.delete(f"/sandboxes/{garbled}").status_code == 204
         # SIGKILL of the server: the same guarantees.
         s.stop(signal.SIGKILL)
         s.start()

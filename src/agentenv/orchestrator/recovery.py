@@ -75,7 +75,8 @@ async def recover(orch: Orchestrator) -> None:
                 await orch.store.put(live.record)
                 log.warning("sandbox %s: resume interrupted before its VM ran; it is paused", rec.id)
                 continue
-            await orch._fail(live, f"QEMU was gone when the server restarted ({exc})")
+            why = "its machine record is unreadable" if isinstance(exc, ValueError) else "QEMU was gone"
+            await orch._fail(live, f"{why} when the server restarted ({exc})")
             continue
         assert live.slot is not None
         live.envd = EnvdClient(live.slot.guest_url, access_token=rec.access_token)
@@ -89,10 +90,12 @@ async def recover(orch: Orchestrator) -> None:
             if d.name not in owned:
                 await _kill_leftover(d)
                 await remove_tree(d)
-    # QEMU processes of this node that nothing owns any more (a launch or a template boot cut
-    # short by a crash or a stop): sandboxes' and templates' alike live under the data dir.
+    # QEMU processes of this node that nothing adopted (a launch or a template boot cut short by
+    # a crash or a stop, or the machine of a sandbox that just failed re-adoption): sandboxes'
+    # and templates' alike live under the data dir.
+    adopted = {sid for sid, live in orch._live.items() if live.machine is not None}
     for pid, name in find_qemu_pids(str(orch.settings.data_dir) + "/").items():
-        if name not in owned:
+        if name not in adopted:
             log.warning("killing QEMU %d (%s) that no sandbox owns", pid, name)
             kill_pid(pid)
     referenced = {r.record.paused.id for r in orch._live.values() if r.record.paused is not None}

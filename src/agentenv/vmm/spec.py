@@ -117,9 +117,15 @@ def spec_to_json(spec: MachineSpec) -> dict[str, object]:
 
 
 def spec_from_json(d: dict[str, object]) -> MachineSpec:
-    d = dict(d)
-    for k in ("run_dir", "sock_dir", "kernel", "initramfs", "disk", "tools", "mem_path"):
-        d[k] = Path(str(d[k]))
-    d["accel"] = AccelInfo(**d["accel"])  # type: ignore[arg-type]
-    d["kernel_args"] = tuple(d["kernel_args"])  # type: ignore[arg-type]
-    return MachineSpec(**d)  # type: ignore[arg-type]
+    """The inverse of spec_to_json. A record that is not one (hand-edited, truncated, or written
+    by a version with other fields) raises ValueError, so recovery fails that one sandbox with
+    the reason instead of refusing to start."""
+    try:
+        d = dict(d)
+        for k in ("run_dir", "sock_dir", "kernel", "initramfs", "disk", "tools", "mem_path"):
+            d[k] = Path(str(d[k]))
+        d["accel"] = AccelInfo(**d["accel"])  # type: ignore[arg-type]
+        d["kernel_args"] = tuple(d["kernel_args"])  # type: ignore[arg-type]
+        return MachineSpec(**d)  # type: ignore[arg-type]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"machine.json is not a machine record this version reads ({exc!r})") from None
