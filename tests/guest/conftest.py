@@ -1,8 +1,10 @@
 """Fixtures that run the real guest agent as a subprocess on 127.0.0.1.
 
-The agent is started exactly as in the guest (``python3 agent.py --host ... --port ...``) but with
-two test-only environment variables: ``AENV_AGENT_RUN_DIR`` redirects the /run/e2b marker files
-into a temporary directory and ``AENV_AGENT_NO_CLOCK=1`` stops /init from setting the host clock.
+The agent is started as in the guest (``python3 agent.py --host ... --port ... --tools DIR``, the
+tools dir holding only the spawn helper, built here) but with test-only environment variables:
+``AENV_AGENT_RUN_DIR`` redirects the /run/e2b marker files into a temporary directory,
+``AENV_AGENT_NO_CLOCK=1`` stops /init from setting the host clock and ``AENV_AGENT_STATE`` moves
+the file /init's state is kept in.
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ from agentenv.bench.node import free_port
 from agentenv.envd_client import EnvdClient
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "agentenv" / "guest" / "agent.py"
+SPAWN_C = AGENT.parent / "spawn.c"
+
+
+@pytest.fixture(scope="session")
+def tools_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tools dir with the helper every command starts through (bin/aenv-spawn, built as
+    images/toolsdrive.py builds it for the tools drive)."""
+    d = tmp_path_factory.mktemp("tools")
+    (d / "bin").mkdir()
+    subprocess.run(["gcc", "-static", "-Os", "-Wall", "-Werror", "-o", str(d / "bin" / "aenv-spawn"),
+                    str(SPAWN_C)], check=True)
+    return d
 
 
 @dataclass
@@ -34,7 +48,7 @@ class RunningAgent:
 
 
 @pytest.fixture
-def agent(tmp_path: Path) -> Iterator[RunningAgent]:
+def agent(tmp_path: Path, tools_dir: Path) -> Iterator[RunningAgent]:
     port = free_port()
     run_dir = tmp_path / "run-e2b"
     log = tmp_path / "agent.log"
@@ -43,7 +57,8 @@ def agent(tmp_path: Path) -> Iterator[RunningAgent]:
     with open(log, "wb") as log_file:
         # The guest runs Debian's system python3; use the same kind of interpreter, not the venv.
         python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-        proc = subprocess.Popen([python, str(AGENT), "--host", "127.0.0.1", "--port", str(port)],
+        proc = subprocess.Popen([python, str(AGENT), "--host", "127.0.0.1", "--port", str(port),
+                                 "--tools", str(tools_dir)],
                                 env=env, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 10

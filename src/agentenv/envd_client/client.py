@@ -229,7 +229,8 @@ class EnvdClient:
         resp = await self._send_stream(request, method)
         try:
             buf = bytearray()
-            async for chunk in resp.aiter_bytes():
+            chunks = resp.aiter_bytes()
+            async for chunk in chunks:
                 buf += chunk
                 while len(buf) >= 5:
                     flags, length = struct.unpack(">BI", buf[:5])
@@ -238,6 +239,11 @@ class EnvdClient:
                     payload = json.loads(bytes(buf[5:5 + length]))
                     del buf[:5 + length]
                     if flags & _END_STREAM:
+                        # Read the body to its end (the chunked terminator is normally in the
+                        # same packet) so the connection goes back to the pool: closing it
+                        # unread would make the next call open a new one, ~10 ms into a TCG guest.
+                        async for _ in chunks:
+                            pass
                         error = payload.get("error")
                         if error:
                             raise EnvdError(error.get("code", "unknown"), error.get("message", ""))

@@ -14,8 +14,10 @@ Design notes (why it looks the way it does):
   no code with the host package.
 * One asyncio event loop serves everything. Blocking work (directory walks, disk I/O of big files)
   goes to the default thread pool, so one slow request never stalls another command's output.
-* Children are spawned with ``subprocess.Popen`` (``user=``/``group=``/``extra_groups=`` switch
-  users without a ``preexec_fn``) and reaped by a single SIGCHLD handler calling ``waitpid(-1)``.
+* Children are started with ``os.posix_spawn`` (a vfork+exec, no Python in the child) of the
+  tools drive's static ``aenv-spawn``, which enters PID 1's mount namespace, the working directory,
+  the user and the terminal, then execs the command; they are reaped by a single SIGCHLD handler
+  calling ``waitpid(-1)``.
   The agent is a child subreaper, so the same handler also reaps orphaned grandchildren (daemons
   started with ``&``) and zombies never pile up. asyncio's child watchers are deliberately unused:
   they would race with that handler for exit statuses.

@@ -13,9 +13,10 @@
  * --preopen  open CMD before entering the namespace and exec it by descriptor: for a static
  *         program of the tools drive (busybox sh for images with no shell at all)
  *
- * Doing this in a tiny static program keeps the agent's spawn a vfork: a preexec_fn in the
- * agent would make every command a full fork of the Python process, several times slower
- * under emulation. Errors go to stderr with exit status 127, as a shell reports them.
+ * Doing this in a tiny static program lets the agent start every command with posix_spawn (a
+ * vfork+exec): a preexec_fn in the agent would make every command a full fork of the Python
+ * process, several times slower under emulation. Descriptors other than 0-2 are closed at the
+ * exec. Errors go to stderr with exit status 127, as a shell reports them.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -85,6 +86,9 @@ int main(int argc, char **argv) {
         if (setgid((gid_t)gid) < 0) die("setgid", NULL);
         if (setuid((uid_t)uid) < 0) die("setuid", NULL);
     }
+    /* The agent spawns with posix_spawn, which closes only close-on-exec descriptors: mark
+     * every other one (>= 3) so none leaks into the command. Best effort on old kernels. */
+    close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
     if (prefd >= 0) {
         fexecve(prefd, argv + i, environ);
         die("cannot run", argv[i]);

@@ -117,7 +117,7 @@ def set_tools_dir(path: str | None) -> None:
 
 
 def tool(name: str) -> str | None:
-    """A helper program the agent runs (setpriv, setsid, a fallback shell): from the tools
+    """A helper program the agent runs (aenv-spawn, a fallback shell): from the tools
     drive when there is one, so it works whatever the image has, else from the usual PATH."""
     if name not in _tool_cache:
         found = None

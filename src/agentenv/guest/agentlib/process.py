@@ -1,8 +1,8 @@
 """The ``process.Process`` service: spawning, output fan-out, reaping, stdin, signals.
 
-Children are spawned with ``subprocess.Popen`` and reaped by a single SIGCHLD handler calling
-``waitpid(-1)``; the agent is a child subreaper, so the same handler also reaps orphaned
-grandchildren. A process's output is fanned out to its subscribers (the Start stream, later
+Children are started with ``os.posix_spawn`` through the tools drive's ``aenv-spawn`` (namespace,
+cwd, user, terminal) and reaped by a single SIGCHLD handler calling ``waitpid(-1)``; the agent is
+a child subreaper, so the same handler also reaps orphaned grandchildren. A process's output is fanned out to its subscribers (the Start stream, later
 Connect streams) through bounded queues: a slow client back-pressures the process instead of
 growing memory, and a client that goes away merely unsubscribes -- the process keeps running.
 """
@@ -17,7 +17,6 @@ import pty
 import shutil
 import signal
 import struct
-import subprocess
 import termios
 import time
 from typing import Any, AsyncIterator, Callable
@@ -48,6 +47,7 @@ class Subscriber:
     def __init__(self) -> None:
         self.queue: asyncio.Queue[dict] = asyncio.Queue(maxsize=64)
         self.closed = False
+        self.backlog = 0  # events waiting for room in the queue; later ones queue behind them
 
     async def put(self, event: dict) -> None:
         if not self.closed:
@@ -61,20 +61,32 @@ class Subscriber:
 
 
 class Process:
-    """A command started through the agent: its pipes, its subscribers and, later, its end event."""
+    """A command started through the agent: its output descriptors, its subscribers and, later,
+    its end event.
 
-    def __init__(self, popen: subprocess.Popen, config: dict, tag: str | None,
-                 pty_master: int | None) -> None:
-        self.popen, self.pid, self.config, self.tag = popen, popen.pid, config, tag
+    Output is read with ``loop.add_reader`` callbacks straight from the descriptors, and the end
+    is assembled from callbacks too (exit status from the reaper, EOF from the readers): no
+    transports, stream readers or tasks per command. Under emulation each of those costs
+    milliseconds, and a short command's round trip is mostly this bookkeeping. Stdin becomes an
+    asyncio transport only when the first input arrives."""
+
+    def __init__(self, pid: int, config: dict, tag: str | None, outputs: list[tuple[int, str]],
+                 stdin_fd: int | None, pty_master: int | None) -> None:
+        self.pid, self.config, self.tag = pid, config, tag
         self.pty_master = pty_master
         self.stdin: asyncio.WriteTransport | None = None
+        self._stdin_fd = stdin_fd  # the raw write end, until input needs a transport
         self.subscribers: set[Subscriber] = set()
         self.end: dict | None = None
         self.finished_at = 0.0
         self.deadline_exceeded = False
-        self.exit_status: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._timer: asyncio.TimerHandle | None = None
-        self._tasks: list[asyncio.Task] = []  # strong references: the loop only keeps weak ones
+        self._loop = asyncio.get_running_loop()
+        self._outputs = outputs
+        self._open = len(outputs)
+        self._status: int | None = None
+        self._on_finish: Callable[[Process], None] | None = None
+        self._timers: list[asyncio.TimerHandle] = []
+        self._tasks: set[asyncio.Task] = set()  # strong references: the loop only keeps weak ones
 
     def info(self) -> dict:
         info = {"config": self.config, "pid": self.pid}
@@ -82,26 +94,14 @@ class Process:
             info["tag"] = self.tag
         return info
 
-    async def attach(self, timeout: float | None, on_finish: Callable[[Process], None]) -> None:
-        """Connect the pipes to the event loop and start supervising the process."""
-        loop = asyncio.get_running_loop()
-        outputs = []
-        if self.pty_master is not None:
-            outputs.append((os.fdopen(self.pty_master, "rb", buffering=0), "pty"))
-            writer = os.fdopen(os.dup(self.pty_master), "wb", buffering=0)
-            self.stdin, _ = await loop.connect_write_pipe(asyncio.Protocol, writer)
-        else:
-            outputs += [(self.popen.stdout, "stdout"), (self.popen.stderr, "stderr")]
-            if self.popen.stdin is not None:
-                self.stdin, _ = await loop.connect_write_pipe(asyncio.Protocol, self.popen.stdin)
-        readers = []
-        for pipe, kind in outputs:
-            reader = asyncio.StreamReader(limit=4 * OUTPUT_CHUNK)
-            await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r), pipe)
-            readers.append(asyncio.create_task(self._pump(reader, kind)))
+    def attach(self, timeout: float | None, on_finish: Callable[[Process], None]) -> None:
+        """Start reading the outputs and, with ``timeout``, the deadline timer."""
+        self._on_finish = on_finish
+        for fd, kind in self._outputs:
+            os.set_blocking(fd, False)
+            self._loop.add_reader(fd, self._readable, fd, kind)
         if timeout is not None:
-            self._timer = loop.call_later(timeout, self._on_deadline)
-        self._tasks = [*readers, asyncio.create_task(self._supervise(readers, on_finish))]
+            self._timers.append(self._loop.call_later(timeout, self._on_deadline))
 
     def subscribe(self) -> Subscriber:
         sub = Subscriber()
@@ -115,6 +115,34 @@ class Process:
         self.subscribers.discard(sub)
         sub.close()
 
+    # ---- stdin -------------------------------------------------------------------------------
+
+    @property
+    def stdin_open(self) -> bool:
+        return self._stdin_fd is not None or (self.stdin is not None and not self.stdin.is_closing())
+
+    async def input(self) -> asyncio.WriteTransport:
+        """The stdin (or PTY) transport, made on first use; check ``stdin_open`` first."""
+        if self.stdin is None:
+            fd, self._stdin_fd = self._stdin_fd, None
+            assert fd is not None
+            self.stdin, _ = await self._loop.connect_write_pipe(asyncio.Protocol, os.fdopen(fd, "wb", buffering=0))
+        return self.stdin
+
+    def close_stdin(self) -> None:
+        if self.stdin is not None:
+            self.stdin.close()
+        elif self._stdin_fd is not None:
+            os.close(self._stdin_fd)
+            self._stdin_fd = None
+
+    def resize(self, cols: int, rows: int) -> None:
+        if self.pty_master is None or self.end is not None or not any(fd == self.pty_master for fd, _ in self._outputs):
+            raise ConnectError("failed_precondition", "the process has no PTY")
+        set_winsize(self.pty_master, cols, rows)
+
+    # ---- signals and the end -----------------------------------------------------------------
+
     def signal(self, signum: int) -> None:
         """Signal the whole process group (each command is its own session), so `bash -c 'a; b'`
         and anything it started in the foreground or background goes down with it."""
@@ -127,38 +155,79 @@ class Process:
                 pass
 
     def on_exit(self, status: int) -> None:
-        """Called by the SIGCHLD reaper; also stops Popen from ever waiting on the pid again."""
-        self.popen.returncode = os.waitstatus_to_exitcode(status)
-        if not self.exit_status.done():
-            self.exit_status.set_result(status)
+        """Called by the SIGCHLD reaper. The end is sent once the outputs are closed too; they
+        normally close together with the process, but a background grandchild may hold them
+        open forever, so not for longer than EXIT_GRACE."""
+        if self._status is not None:
+            return
+        self._status = status
+        if self._open:
+            self._timers.append(self._loop.call_later(EXIT_GRACE, self._complete))
+        else:
+            self._complete()
 
     def _on_deadline(self) -> None:
         log(f"process {self.pid} exceeded its timeout, killing it")
         self.deadline_exceeded = True
         self.signal(signal.SIGKILL)
 
-    async def _broadcast(self, event: dict) -> None:
-        for sub in list(self.subscribers):
-            await sub.put(event)
-
-    async def _pump(self, reader: asyncio.StreamReader, kind: str) -> None:
-        """Forward one output pipe in <= 32 KiB chunks; keeps draining (to nobody) after the end
-        so a lingering background grandchild never blocks on a full pipe or gets SIGPIPE."""
+    def _readable(self, fd: int, kind: str) -> None:
+        """Forward one read (<= 32 KiB) to the subscribers; after the end, keep draining (to
+        nobody) so a lingering background grandchild never blocks on a full pipe."""
         try:
-            while data := await reader.read(OUTPUT_CHUNK):
-                if self.end is None:
-                    await self._broadcast({"data": {kind: base64.b64encode(data).decode()}})
+            data = os.read(fd, OUTPUT_CHUNK)
+        except BlockingIOError:
+            return
         except OSError:  # EIO on a PTY master once the last slave fd is closed
-            pass
+            data = b""
+        if not data:
+            self._loop.remove_reader(fd)
+            os.close(fd)
+            self._outputs = [(f, k) for f, k in self._outputs if f != fd]  # the number may be reused
+            self._open -= 1
+            if self._open == 0 and self._status is not None:
+                self._complete()
+            return
+        if self.end is None and self.subscribers:
+            full = self._deliver({"data": {kind: base64.b64encode(data).decode()}})
+            if full:  # a slow client: stop reading until it has room (back-pressure)
+                self._loop.remove_reader(fd)
+                self._spawn_task(self._deliver_later(full, fd, kind))
 
-    async def _supervise(self, readers: list[asyncio.Task], on_finish: Callable) -> None:
-        status = await self.exit_status
-        if self._timer:
-            self._timer.cancel()
-        # The pipes normally close together with the process. A background grandchild may keep
-        # them open forever; don't let that hold the end event back for more than EXIT_GRACE.
-        if readers:
-            await asyncio.wait(readers, timeout=EXIT_GRACE)
+    def _deliver(self, event: dict) -> list[tuple[Subscriber, dict]]:
+        """Queue ``event`` for every subscriber with room; return the ones without."""
+        full = []
+        for sub in self.subscribers:
+            if sub.closed:
+                continue
+            if sub.backlog or sub.queue.full():
+                sub.backlog += 1
+                full.append((sub, event))
+            else:
+                sub.queue.put_nowait(event)
+        return full
+
+    async def _deliver_later(self, pending: list[tuple[Subscriber, dict]], fd: int | None = None,
+                             kind: str = "") -> None:
+        for sub, event in pending:
+            await sub.put(event)
+            sub.backlog -= 1
+        if fd is not None:
+            self._loop.add_reader(fd, self._readable, fd, kind)
+        elif self._on_finish is not None:
+            self._finished()
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _complete(self) -> None:
+        if self.end is not None or self._status is None:
+            return
+        for timer in self._timers:
+            timer.cancel()
+        status = self._status
         if os.WIFSIGNALED(status):
             text = "signal: " + (signal.strsignal(os.WTERMSIG(status)) or str(os.WTERMSIG(status))).lower()
             end = {"exitCode": -1, "status": text, "error": text}
@@ -169,12 +238,74 @@ class Process:
                 end["error"] = end["status"]
             else:
                 del end["exitCode"]
-        await self._broadcast({"end": end})
+        full = self._deliver({"end": end})
         self.end, self.finished_at = end, time.monotonic()
         self.subscribers.clear()
-        if self.stdin is not None:
-            self.stdin.close()
-        on_finish(self)
+        self.close_stdin()
+        if full:
+            self._spawn_task(self._deliver_later(full))
+        else:
+            self._finished()
+
+    def _finished(self) -> None:
+        on_finish, self._on_finish = self._on_finish, None
+        if on_finish is not None:
+            on_finish(self)
+
+
+class Stdio:
+    """The descriptors of a new process: a pty, or pipes for stdout and stderr and, unless the
+    caller said ``stdin: false``, for stdin (else /dev/null). ``child`` are the ends the process
+    gets as 0, 1, 2; the agent keeps ``outputs``, ``stdin`` and ``master``."""
+
+    def __init__(self, pty_size: tuple[int, int] | None, want_stdin: bool, user: Any) -> None:
+        self._child_ends: list[int] = []
+        self._own: list[int] = []
+        self.master: int | None = None
+        self.stdin: int | None = None
+        try:
+            if pty_size is not None:
+                self.master, slave = pty.openpty()
+                self._own.append(self.master)
+                self._child_ends.append(slave)
+                set_winsize(self.master, *pty_size)
+                chown_to(slave, user)
+                self.stdin = os.dup(self.master)
+                self._own.append(self.stdin)
+                self.child = (slave, slave, slave)
+                self.outputs = [(self.master, "pty")]
+                return
+            if want_stdin:
+                stdin_r, self.stdin = os.pipe()
+                self._own.append(self.stdin)
+            else:
+                stdin_r = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            self._child_ends.append(stdin_r)
+            out_r, out_w = os.pipe()
+            self._own.append(out_r)
+            self._child_ends.append(out_w)
+            err_r, err_w = os.pipe()
+            self._own.append(err_r)
+            self._child_ends.append(err_w)
+            self.child = (stdin_r, out_w, err_w)
+            self.outputs = [(out_r, "stdout"), (err_r, "stderr")]
+        except BaseException:
+            self.close_all()
+            raise
+
+    def file_actions(self) -> list[tuple]:
+        return [(os.POSIX_SPAWN_DUP2, fd, n) for n, fd in enumerate(self.child)]
+
+    def close_child_ends(self) -> None:
+        for fd in self._child_ends:
+            os.close(fd)
+        self._child_ends = []
+
+    def close_all(self) -> None:
+        self.close_child_ends()
+        for fd in self._own:
+            os.close(fd)
+        self._own = []
 
 
 class ProcessManager:
@@ -229,73 +360,50 @@ class ProcessManager:
             cwd = cwd if os.path.isdir(cwd) else "/"
         env = {"PATH": os.environ.get("PATH", DEFAULT_PATH), "HOME": user.home, "USER": user.name,
                "LOGNAME": user.name, **self.agent.env_vars, **{str(k): str(v) for k, v in envs.items()}}
-        kwargs: dict[str, Any] = {"cwd": cwd, "env": env, "bufsize": 0, "close_fds": True}
         cmd = fallback_shell(cmd, env["PATH"]) or cmd
-        argv_prefix: list[str] = []
         pty_cfg = msg.get("pty")
         switch = (user.uid, user.gid, set(user.groups)) != (os.geteuid(), os.getegid(), set(os.getgroups()))
         if switch and os.geteuid() != 0:
             raise ConnectError("permission_denied", "the agent is not root and cannot switch users")
-        if (spawner := tool("aenv-spawn")) is not None:
-            # In a sandbox: the tools drive's static helper enters PID 1's mount namespace (the
-            # image without the tools drive), the working directory, the user and the terminal,
-            # then execs the command; Popen still vforks (see guest/spawn.c).
-            if "/" not in cmd and shutil.which(cmd, path=env["PATH"]) is None:
-                raise ConnectError("internal", f"error starting process '{cmd}': no such executable")
-            argv_prefix = [spawner]
-            if (ns := user_namespace()) is not None:
-                argv_prefix += ["--ns", ns, "--cwd", cwd]
-            if switch:
-                argv_prefix += ["--user", f"{user.uid}:{user.gid}:{','.join(str(g) for g in user.groups)}"]
-            if isinstance(pty_cfg, dict):
-                argv_prefix.append("--ctty")
-            if cmd.startswith(os.path.dirname(spawner) + "/"):
-                argv_prefix.append("--preopen")  # a tools-drive program (fallback shell): not in the user's view
-            argv_prefix.append("--")
-        elif not switch:
-            pass  # no switch needed; leaving user= unset also lets Popen use the much faster vfork
-        elif setpriv := tool("setpriv"):
-            # setpriv switches user in the child's exec chain, so Popen can still vfork: a full
-            # fork of this (Python) process is several times slower, most of all under TCG.
-            if "/" not in cmd and shutil.which(cmd, path=env["PATH"]) is None:
-                raise ConnectError("internal", f"error starting process '{cmd}': no such executable")
-            groups = ",".join(str(g) for g in user.groups) or str(user.gid)
-            argv_prefix = [setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", f"--groups={groups}", "--"]
-        else:
-            kwargs.update(user=user.uid, group=user.gid, extra_groups=user.groups)
-        argv, master = [*argv_prefix, cmd, *args], None
+        # The tools drive's static helper enters PID 1's mount namespace (the image without the
+        # tools drive), the working directory, the user and the terminal, then execs the
+        # command; the agent only posix_spawns it (see guest/spawn.c).
+        spawner = tool("aenv-spawn")
+        if spawner is None:
+            raise ConnectError("internal", "aenv-spawn is missing from the tools drive")
+        if "/" not in cmd and shutil.which(cmd, path=env["PATH"]) is None:
+            raise ConnectError("internal", f"error starting process '{cmd}': no such executable")
+        argv = [spawner]
+        if (ns := user_namespace()) is not None:
+            argv += ["--ns", ns]
+        argv += ["--cwd", cwd]
+        if switch:
+            argv += ["--user", f"{user.uid}:{user.gid}:{','.join(str(g) for g in user.groups)}"]
+        pty_size = None
+        if isinstance(pty_cfg, dict):
+            size = pty_cfg.get("size") or {}
+            pty_size = (size.get("cols", 80), size.get("rows", 24))
+            argv.append("--ctty")  # a session of its own, with the pty as controlling terminal
+        if cmd.startswith(os.path.dirname(spawner) + "/"):
+            argv.append("--preopen")  # a tools-drive program (fallback shell): not in the user's view
+        argv += ["--", cmd, *args]
+        stdio = Stdio(pty_size, msg.get("stdin") is not False, user)
         try:
-            if isinstance(pty_cfg, dict):
-                master, slave = pty.openpty()
-                size = pty_cfg.get("size") or {}
-                set_winsize(master, size.get("cols", 80), size.get("rows", 24))
-                chown_to(slave, user)
-                # `setsid --ctty` makes the pty the controlling terminal without a preexec_fn.
-                if spawner is not None:
-                    pass  # --ctty above
-                elif (setsid := tool("setsid")) is not None:
-                    argv = [setsid, "--ctty", *argv]
-                else:
-                    kwargs["start_new_session"] = True
-                try:
-                    popen = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, **kwargs)
-                finally:
-                    os.close(slave)
-            else:
-                stdin = subprocess.PIPE if msg.get("stdin") is not False else subprocess.DEVNULL
-                popen = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, start_new_session=True, **kwargs)
+            # glibc's posix_spawn is a vfork+exec with no Python in between: the cheapest way
+            # to start a process, which matters most under emulation.
+            pid = os.posix_spawn(spawner, argv, env, file_actions=stdio.file_actions(),
+                                 setsid=pty_size is None, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
         except OSError as exc:
-            if master is not None:
-                os.close(master)
+            stdio.close_all()
             raise ConnectError("internal", f"error starting process '{cmd}': {exc}") from None
+        stdio.close_child_ends()
         config = {k: v for k, v in (("cmd", cmd), ("args", args), ("envs", envs),
                                       ("cwd", cfg.get("cwd"))) if v}
-        proc = Process(popen, config, msg.get("tag") or None, master)
+        proc = Process(pid, config, msg.get("tag") or None, stdio.outputs, stdio.stdin, stdio.master)
         self.running[proc.pid] = proc
         self.finished.pop(proc.pid, None)
         sub = proc.subscribe()
-        await proc.attach(ctx.timeout, self._finish)
+        proc.attach(ctx.timeout, self._finish)
         return proc, sub
 
     async def follow(self, proc: Process, sub: Subscriber, ctx: CallContext,
@@ -369,18 +477,20 @@ class ProcessManager:
         return {}
 
     @staticmethod
-    def _write_input(proc: Process, data: Any) -> None:
+    async def _write_input(proc: Process, data: Any) -> asyncio.WriteTransport:
         """Write one ``ProcessInput`` (``{"stdin": b64}`` or ``{"pty": b64}``) to the process."""
         data = data if isinstance(data, dict) else {}
         kind = "pty" if proc.pty_master is not None else "stdin"
         if kind not in data or len(data) != 1:
             raise ConnectError("invalid_argument", f"this process accepts only '{kind}' input")
-        if proc.stdin is None or proc.stdin.is_closing():
+        if not proc.stdin_open:
             raise ConnectError("failed_precondition", "stdin of the process is not open")
-        proc.stdin.write(b64decode(data[kind]))
+        stdin = await proc.input()
+        stdin.write(b64decode(data[kind]))
+        return stdin
 
     async def rpc_send_input(self, msg: dict, ctx: CallContext) -> dict:
-        self._write_input(self.find(msg.get("process")), msg.get("input"))
+        await self._write_input(self.find(msg.get("process")), msg.get("input"))
         return {}
 
     async def rpc_stream_input(self, messages: AsyncIterator[dict], ctx: CallContext) -> dict:
@@ -396,9 +506,8 @@ class ProcessManager:
             elif "data" in msg:
                 if proc is None:
                     raise ConnectError("invalid_argument", "the first message must be start")
-                self._write_input(proc, (msg.get("data") or {}).get("input"))
-                while (proc.stdin is not None and not proc.stdin.is_closing()
-                       and proc.stdin.get_write_buffer_size() > STDIN_BUFFER):
+                stdin = await self._write_input(proc, (msg.get("data") or {}).get("input"))
+                while not stdin.is_closing() and stdin.get_write_buffer_size() > STDIN_BUFFER:
                     await asyncio.sleep(0.005)
             elif "keepalive" not in msg:
                 raise ConnectError("invalid_argument", f"unknown StreamInput message: {sorted(msg)}")
@@ -410,17 +519,14 @@ class ProcessManager:
         proc = self.find(msg.get("process"))
         if proc.pty_master is not None:
             raise ConnectError("failed_precondition", "cannot close stdin of a PTY process")
-        if proc.stdin is not None:
-            proc.stdin.close()
+        proc.close_stdin()
         return {}
 
     async def rpc_update(self, msg: dict, ctx: CallContext) -> dict:
         proc = self.find(msg.get("process"))
         size = (msg.get("pty") or {}).get("size")
         if size:
-            if proc.pty_master is None or proc.end is not None:
-                raise ConnectError("failed_precondition", "the process has no PTY")
-            set_winsize(proc.pty_master, size.get("cols", 80), size.get("rows", 24))
+            proc.resize(size.get("cols", 80), size.get("rows", 24))
         return {}
 
 
