@@ -186,6 +186,28 @@ async def test_echo_streams_start_stdout_end(client: EnvdClient) -> None:
     assert b"".join(seen) == b"hi\n"
 
 
+def _connections_to(port: int) -> set[int]:
+    """Local ports of the established TCP connections to ``port`` on 127.0.0.1."""
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if state == "01" and int(remote.split(":")[1], 16) == port:
+            out.add(int(local.split(":")[1], 16))
+    return out
+
+
+async def test_commands_reuse_one_connection(agent, client: EnvdClient) -> None:
+    """A command's stream is read to its end, so the next command goes over the same
+    connection: opening one into an emulated guest costs more than a short command."""
+    port = int(agent.url.rsplit(":", 1)[1])
+    await client.run("true")
+    first = _connections_to(port)
+    for _ in range(3):
+        assert (await client.run("echo x")).stdout == b"x\n"
+        assert _connections_to(port) == first
+    assert len(first) == 1
+
+
 async def test_raw_start_stream_framing(http: httpx.AsyncClient) -> None:
     body = envelope({"process": {"cmd": "/bin/sh", "args": ["-c", "printf abc; exit 3"]}, "stdin": False})
     status, frames = await raw_stream(http, "process.Process/Start", body)
