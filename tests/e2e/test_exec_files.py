@@ -22,6 +22,10 @@ def test_exec_exit_codes_streams_env_cwd_user(api: httpx.Client, sandbox: str) -
     assert run(api, sandbox, "whoami")["stdout"] == "user\n"
     assert run(api, sandbox, "whoami", user="root")["stdout"] == "root\n"
     assert run(api, sandbox, "sudo -n whoami")["stdout"] == "root\n"
+    # The login shell's PATH is the one Debian's /etc/profile gives each (it asks bash's $EUID).
+    assert run(api, sandbox, "echo $PATH")["stdout"] == "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games\n"
+    assert run(api, sandbox, "echo $PATH", user="root")["stdout"] == "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
+    assert run(api, sandbox, "sh -l -c 'echo $PATH'", user="root")["stdout"].startswith("/usr/local/sbin:")
     for tool in ("python3 --version", "curl --version", "git --version", "tput -T xterm cols"):
         assert run(api, sandbox, tool)["exitCode"] == 0, tool
 
