@@ -136,3 +136,26 @@ def test_create_retried_with_an_idempotency_key_makes_one_sandbox(api: httpx.Cli
     r = api.post("/sandboxes", json=body, headers={"Idempotency-Key": key})  # the sandbox is gone: a new one
     assert r.status_code == 201 and r.json()["sandboxID"] != sid
     api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+
+
+def test_a_proxy_in_the_servers_environment_does_not_catch_guest_traffic(tmp_path) -> None:
+    """Cluster nodes often export HTTP_PROXY for their own downloads. The server reaches its
+    guests directly whatever the environment says (here: a proxy where nothing listens)."""
+    from tests.framework.net import node_cidr
+
+    dead = "http://127.0.0.1:9"
+    s = ServerProcess(tmp_path / "data", node_cidr(22), AENV_POOL_SIZE="1",
+                      HTTP_PROXY=dead, http_proxy=dead, HTTPS_PROXY=dead, https_proxy=dead, ALL_PROXY=dead)
+    s.start()
+    try:
+        with s.client() as api:
+            r = api.post("/sandboxes", json={"templateID": "base"})
+            assert r.status_code == 201, r.text
+            sid = r.json()["sandboxID"]
+            assert run(api, sid, "echo through")["stdout"] == "through\n"
+            # ... and so does its sandbox proxy, to the agent and to other ports.
+            envd = api.get("/health", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"})
+            assert envd.status_code == 204
+            assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    finally:
+        s.kill_all()

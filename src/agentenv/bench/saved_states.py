@@ -175,7 +175,7 @@ async def _migrate_baseline(template_dir: Path, tmp: Path, runs: int, accel_sett
                 try:
                     await src.prepare_incoming()
                     await src.load_state(snap.state)
-                    async with EnvdClient(slot.guest_url) as envd:
+                    async with EnvdClient.for_guest(slot.guest_url) as envd:
                         await envd.wait_healthy(60)
                         await envd.run(["bash", "-c", _dirty(mib)], user="root", timeout=300)
                     # plain QEMU: stop, migrate everything (a share=off RAM block is never skipped)
@@ -191,7 +191,7 @@ async def _migrate_baseline(template_dir: Path, tmp: Path, runs: int, accel_sett
                     dst = await Machine.launch(MachineSpec(name=f"bench-mig-dst{i}", run_dir=d / "dst",
                                                            mem_path=fresh, **common))  # type: ignore[arg-type]
                     await dst.load_state(d / "full.state", timeout=120)
-                    async with EnvdClient(slot.guest_url) as envd:
+                    async with EnvdClient.for_guest(slot.guest_url) as envd:
                         await envd.wait_healthy(60)
                     loads.append(_ms(t0))
                 finally:

@@ -84,7 +84,7 @@ async def _cold_boots(runs: int, tmp: Path, cache: Path, accel_setting: str) -> 
             t_boot = time.perf_counter()
             m = await Machine.launch(spec)
             try:
-                async with EnvdClient(slot.guest_url) as envd:
+                async with EnvdClient.for_guest(slot.guest_url) as envd:
                     await envd.wait_healthy(300)
                     out["cold_boot_ms"].append(_ms(t_boot))
                     await envd.init(sandbox_id=f"cold{i}", template_id="base", env_vars={}, access_token=None)

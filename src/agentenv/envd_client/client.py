@@ -159,12 +159,27 @@ class EnvdClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=60.0),
+            # 256: the sandbox proxy shares this pool, and every streamed command or watch of an
+            # SDK holds a connection while it lasts.
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=16, keepalive_expiry=300.0),
             headers=headers, trust_env=trust_env,
             # Plain HTTP (a guest, or a server without TLS) needs no TLS context: building the
             # default one (loading the CA bundle) costs ~50 ms, on every sandbox's first request.
             verify=self.base_url.startswith("https:"),
         )
+
+    @classmethod
+    def for_guest(cls, url: str, access_token: str | None = None) -> EnvdClient:
+        """A client for a sandbox's agent, reached directly on its host-side address: never
+        through an HTTP(S)_PROXY the server's environment may name."""
+        return cls(url, access_token, trust_env=False)
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The connection pool to the agent, for pass-through traffic (the sandbox proxy), so
+        that a connection this client opened serves the next SDK request as well. Requests made
+        as ``httpx.Request`` and sent with ``send`` carry none of this client's headers."""
+        return self._http
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -79,7 +79,7 @@ async def recover(orch: Orchestrator) -> None:
             await orch._fail(live, f"{why} when the server restarted ({exc})")
             continue
         assert live.slot is not None
-        live.envd = EnvdClient(live.slot.guest_url, access_token=rec.access_token)
+        live.envd = EnvdClient.for_guest(live.slot.guest_url, rec.access_token)
         if rec.state != State.RUNNING:
             await _settle(orch, live)
         orch._watch(live)

@@ -102,7 +102,7 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
         undo.add("machine", machine.kill)
         await machine.prepare_incoming()
         await machine.load_state(snapshot.state, timeout=restore_timeout_s)
-        envd = EnvdClient(slot.guest_url)
+        envd = EnvdClient.for_guest(slot.guest_url)
         undo.add("envd", envd.aclose)
         token = new_access_token()
         if not prime:

@@ -221,7 +221,7 @@ class SnapshotBuilder:
             t0 = time.monotonic()
             machine = await Machine.launch(spec)
             undo.add("machine", machine.kill)
-            async with EnvdClient(slot.guest_url) as envd:
+            async with EnvdClient.for_guest(slot.guest_url) as envd:
                 try:
                     await envd.wait_healthy(self.boot_timeout_s)
                 except EnvdUnavailable as exc:
