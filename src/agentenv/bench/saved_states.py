@@ -165,11 +165,13 @@ async def _migrate_baseline(template_dir: Path, tmp: Path, runs: int, accel_sett
                 d = tmp / f"mig{mib}-{i}"
                 slot = await slots.acquire()
                 await create_overlay(d / "disk.qcow2", snap.disk, "qcow2")
-                common = dict(sock_dir=settings.sock_dir, kernel=Path(snap.kernel), initramfs=Path(snap.initramfs),
-                              disk=d / "disk.qcow2", memory_mb=snap.memory_mb, vcpus=snap.vcpus, accel=accel,
-                              netns=slot.netns, incoming=True, **guest_link_spec())
-                src = await Machine.launch(MachineSpec(name=f"bench-mig-src{i}", run_dir=d / "src",
-                                                       mem_path=snap.mem_file, **common))  # type: ignore[arg-type]
+                def spec(name: str, run_dir: Path, mem_path: Path) -> MachineSpec:
+                    return MachineSpec(name=name, run_dir=run_dir, sock_dir=settings.sock_dir, kernel=Path(snap.kernel),
+                                       initramfs=Path(snap.initramfs), disk=d / "disk.qcow2", tools=Path(snap.tools),
+                                       mem_path=mem_path, memory_mb=snap.memory_mb, vcpus=snap.vcpus, accel=accel,
+                                       netns=slot.netns, incoming=True, **guest_link_spec())
+
+                src = await Machine.launch(spec(f"bench-mig-src{i}", d / "src", snap.mem_file))
                 dst: Machine | None = None
                 fresh = settings.mem_dir / f"mig{i}.mem"
                 try:
@@ -188,8 +190,7 @@ async def _migrate_baseline(template_dir: Path, tmp: Path, runs: int, accel_sett
                     saves.append(_ms(t0))
                     await src.kill()
                     t0 = time.perf_counter()
-                    dst = await Machine.launch(MachineSpec(name=f"bench-mig-dst{i}", run_dir=d / "dst",
-                                                           mem_path=fresh, **common))  # type: ignore[arg-type]
+                    dst = await Machine.launch(spec(f"bench-mig-dst{i}", d / "dst", fresh))
                     await dst.load_state(d / "full.state", timeout=120)
                     async with EnvdClient.for_guest(slot.guest_url) as envd:
                         await envd.wait_healthy(60)

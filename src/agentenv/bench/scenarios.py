@@ -47,7 +47,7 @@ from agentenv.network import (
 )
 from agentenv.orchestrator.templates import guest_link_spec
 from agentenv.storage import create_overlay, remove_tree
-from agentenv.vmm import Machine, MachineSpec, detect_accel
+from agentenv.vmm import Machine, MachineSpec, detect_accel, find_qemu_pids, kill_pid
 
 BENCH_CIDR = "10.217.0.0/20"
 COLD_CIDR = "10.217.16.0/24"
@@ -233,7 +233,10 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
     """Run the selected scenarios; returns the JSON report of ``aenv bench --json``."""
     metrics: Report = {}
     accel_info = detect_accel(accel)
-    for cidr in (BENCH_CIDR, COLD_CIDR, MIGRATE_CIDR):  # left by a benchmark killed earlier
+    # Left by a benchmark killed earlier (SIGKILL: no teardown): its VMs and its address blocks.
+    for pid in find_qemu_pids(os.path.join(tempfile.gettempdir(), "aenv-bench-")):
+        kill_pid(pid)
+    for cidr in (BENCH_CIDR, COLD_CIDR, MIGRATE_CIDR):
         remove_slots_in(cidr)
     with tempfile.TemporaryDirectory(prefix="aenv-bench-") as tmpd:
         tmp = Path(tmpd)

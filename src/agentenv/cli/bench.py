@@ -7,6 +7,7 @@ it never disturbs a running server. Imports the benchmark code lazily: `aenv ls`
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -27,6 +28,12 @@ def bench(
     from agentenv.bench import run_bench
     from agentenv.bench.node import CACHE
 
+    def interrupted(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # A SIGTERM (a timeout, a CI job cancelled) unwinds like Ctrl-C, so the bench node, its
+    # VMs and its registry are torn down instead of outliving the command.
+    signal.signal(signal.SIGTERM, interrupted)
     wanted = {n.strip() for n in only.split(",") if n.strip()} if only else None
     report = run_bench(wanted, runs, cache_dir or CACHE, accel)
     if as_json or not sys.stdout.isatty():
