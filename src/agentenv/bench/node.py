@@ -59,8 +59,11 @@ class LocalNode:
         require_images(Path(self.env["AENV_CACHE_DIR"]))
         self.data_dir.mkdir(parents=True, exist_ok=True)
         logf = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "agentenv.server"], env=self.env,
-                                     stdout=logf, stderr=subprocess.STDOUT)
+        # --pdeathsig: the node dies with whoever started it. A benchmark or test run that is
+        # killed must not leave a server behind that keeps refilling its pool on a fixed address
+        # block (the next run would share it, and their sandboxes' slots collide).
+        self.proc = subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "--", sys.executable, "-m", "agentenv.server"],
+                                     env=self.env, stdout=logf, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
