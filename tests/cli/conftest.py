@@ -149,7 +149,12 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
     for name in AENV_VARS:
-        monkeypatch.delenv(name, raising=False)
+        # setenv first: it records the variable's original state, so a value a command writes
+        # (`aenv setup --cache-dir` sets AENV_CACHE_DIR in os.environ) is undone at teardown
+        # too; a bare delenv of an unset variable records nothing, and the value leaked into
+        # every later test (the bench run by tests/e2e/test_bench.py then used a fake cache).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("AENV_DATA_DIR", str(tmp_path / "data"))  # never the real /var/lib/agentenv
     return home
 

@@ -9,16 +9,18 @@ import sys
 
 import pytest
 
+from agentenv.bench.node import CACHE
 from agentenv.bench.scenarios import SCENARIOS
 from tests.framework import host
 
 pytestmark = pytest.mark.timeout(1500)
 
 AENV = [sys.executable, "-m", "agentenv.cli.main"]
+CACHE_ARG = ["--cache-dir", str(CACHE)]  # the provisioned images, whatever the environment says
 
 
 def test_bench_reports_every_metric_once_through() -> None:
-    r = subprocess.run([*AENV, "bench", "--json", "--runs", "1"], capture_output=True, text=True, timeout=1400)
+    r = subprocess.run([*AENV, "bench", "--json", "--runs", "1", *CACHE_ARG], capture_output=True, text=True, timeout=1400)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert report["accel"] in ("kvm", "tcg") and report["machine"]["cpus"] >= 1
@@ -36,7 +38,7 @@ def test_a_bench_stopped_with_sigterm_leaves_no_vm() -> None:
     import signal
     import time
 
-    proc = subprocess.Popen([*AENV, "bench", "--json", "--runs", "3", "--only", "create_ms"],
+    proc = subprocess.Popen([*AENV, "bench", "--json", "--runs", "3", "--only", "create_ms", *CACHE_ARG],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 300
