@@ -2,9 +2,10 @@
 
 Children are started with ``os.posix_spawn`` through the tools drive's ``aenv-spawn`` (namespace,
 cwd, user, terminal) and reaped by a single SIGCHLD handler calling ``waitpid(-1)``; the agent is
-a child subreaper, so the same handler also reaps orphaned grandchildren. A process's output is fanned out to its subscribers (the Start stream, later
-Connect streams) through bounded queues: a slow client back-pressures the process instead of
-growing memory, and a client that goes away merely unsubscribes -- the process keeps running.
+a child subreaper, so the same handler also reaps orphaned grandchildren. A process's output is
+fanned out to its subscribers (the Start stream, later Connect streams) through bounded queues: a
+slow client back-pressures the process instead of growing memory, and a client that goes away
+merely unsubscribes -- the process keeps running.
 """
 
 from __future__ import annotations
@@ -81,8 +82,7 @@ class Process:
         self.finished_at = 0.0
         self.deadline_exceeded = False
         self._loop = asyncio.get_running_loop()
-        self._outputs = outputs
-        self._open = len(outputs)
+        self._outputs = outputs  # (fd, kind) of the outputs still open
         self._status: int | None = None
         self._on_finish: Callable[[Process], None] | None = None
         self._timers: list[asyncio.TimerHandle] = []
@@ -161,7 +161,7 @@ class Process:
         if self._status is not None:
             return
         self._status = status
-        if self._open:
+        if self._outputs:
             self._timers.append(self._loop.call_later(EXIT_GRACE, self._complete))
         else:
             self._complete()
@@ -184,8 +184,7 @@ class Process:
             self._loop.remove_reader(fd)
             os.close(fd)
             self._outputs = [(f, k) for f, k in self._outputs if f != fd]  # the number may be reused
-            self._open -= 1
-            if self._open == 0 and self._status is not None:
+            if not self._outputs and self._status is not None:
                 self._complete()
             return
         if self.end is None and self.subscribers:
