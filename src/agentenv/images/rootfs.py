@@ -76,8 +76,8 @@ def ensure_base_rootfs(cache: Path, packages: tuple[str, ...] = BASE_PACKAGES, s
 
 def _login_shell_without_fork(profile: Path) -> None:
     """Debian's /etc/profile asks ``$(id -u)`` whether the user is root: a fork and an exec on
-    every login shell, and every SDK command is one (``bash -l -c``). Under TCG that is about
-    half of the shell's start-up (~30 ms). bash knows the answer (``$EUID``); other shells
+    every login shell, and every SDK command is one (``bash -l -c``). Under TCG that is
+    a large part of the shell's start-up. bash knows the answer (``$EUID``); other shells
     still ask ``id``."""
     text = profile.read_text()
     profile.write_text(text.replace('"$(id -u)"', '"${EUID:-$(id -u)}"'))
