@@ -13,7 +13,8 @@
     │   ├── ImageCorrupt          422: a blob fails its digest, a layer is truncated or corrupt
     │   ├── SandboxStateError     409: the sandbox is not in a state that allows this
     │   ├── IdempotencyKeyReused  422: an Idempotency-Key sent again with a different request
-    │   └── CapacityExhausted     429/503: the node is full
+    │   ├── CapacityExhausted     429/503: the node is full
+    │   └── GuestUnresponsive     503: an operation needs the guest agent, which does not answer
     └── PlatformError             the platform failed (5xx, never silent)
         ├── ProvisioningError     kernel / images / packages missing or failed to build
         ├── ExternalCommandError  a host command (qemu-img, ip, nft) failed
@@ -124,6 +125,13 @@ class CapacityExhausted(RequestError):
     def __init__(self, message: str, *, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class GuestUnresponsive(RequestError):
+    """An operation that needs the guest agent's help (a filesystem-only pause; a pause with
+    ``requireHealthyGuest``) found it not answering; nothing was changed."""
+
+    code = "guest_unresponsive"
 
 
 class PlatformError(AgentenvError):

@@ -41,6 +41,18 @@ def test_pause_then_resume(cli, stub, states):
     assert states.sandboxes[sid]["state"] == "running"
 
 
+def test_filesystem_only_pause_and_reboot_flags(cli, stub, states):
+    sid = states.add()
+    assert cli("pause", sid, "--filesystem-only").exit_code == 0
+    assert stub.calls("POST", f"/sandboxes/{sid}/pause")[0].json() == {"memory": False}
+    res = cli("resume", sid, "--reboot")
+    assert res.exit_code == 0, res.output
+    assert stub.calls("POST", f"/sandboxes/{sid}/resume")[-1].json() == {"memory": False}
+    res = cli("snapshot", sid, "--filesystem-only", "--name", "disk-only")
+    assert res.exit_code == 0, res.output
+    assert stub.calls("POST", f"/sandboxes/{sid}/snapshots")[-1].json() == {"name": "disk-only", "memory": False}
+
+
 def test_resume_json_and_default_body(cli, stub, states):
     sid = states.add(state="paused")
     res = cli("resume", sid, "-o", "json")

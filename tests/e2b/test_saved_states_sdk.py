@@ -91,3 +91,36 @@ def test_pause_and_connect_async(sdk: SDK) -> None:
         asyncio.run(main())
     """, timeout=600)
     assert out == {"pause": True, "info": "paused", "read": "async", "fork_read": "async"}
+
+
+def test_filesystem_only_pause_snapshot_and_reboot(sdk: SDK) -> None:
+    """SDK 2.63's ``mode="filesystem"`` (pause and snapshot) and ``on_resume="reboot"``: files
+    are kept, the guest boots again (new boot_id), the sandbox's env vars are still there."""
+    out = sdk.python(PY_LATEST, """
+        import json
+        from e2b import Sandbox
+        o = {}
+        boot = lambda s: s.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+        sb = Sandbox.create(timeout=300, envs={"MINE": "kept-env"})
+        sb.files.write("/home/user/fs.txt", "on disk")
+        b0 = boot(sb)
+        o["pause"] = sb.pause(mode="filesystem")
+        o["info"] = sb.get_info().state.value
+        sb = Sandbox.connect(sb.sandbox_id, timeout=300)
+        b1 = boot(sb)
+        o["rebooted"] = b1 != b0
+        o["file"] = sb.files.read("/home/user/fs.txt")
+        o["env"] = sb.commands.run("echo $MINE").stdout.strip()
+        sb.pause()
+        sb = Sandbox.connect(sb.sandbox_id, timeout=300, on_resume="reboot")
+        o["reboot_on_resume"] = boot(sb) not in (b0, b1)
+        snap = sb.create_snapshot(mode="filesystem")
+        child = Sandbox.create(snap.snapshot_id, timeout=120)
+        o["snapshot_file"] = child.files.read("/home/user/fs.txt")
+        child.kill()
+        Sandbox.delete_snapshot(snap.snapshot_id)
+        sb.kill()
+        print(json.dumps(o))
+    """, timeout=600)
+    assert out == {"pause": True, "info": "paused", "rebooted": True, "file": "on disk", "env": "kept-env",
+                   "reboot_on_resume": True, "snapshot_file": "on disk"}

@@ -196,6 +196,7 @@ async def test_token_required_on_every_route_but_health_files_and_init(http: htt
             assert resp.json()["code"] == 401
         for path in ("/envs", "/metrics", "/no-such-route"):
             assert (await http.get(path, headers=headers)).status_code == 401, path
+        assert (await http.post("/sync", headers=headers)).status_code == 401
         # /files without a valid token or signature
         assert (await http.get("/files", params={"path": "/etc/hostname"}, headers=headers)).status_code == 401
         resp = await http.post("/files", params={"path": str(victim)}, content=b"x",
@@ -207,6 +208,7 @@ async def test_token_required_on_every_route_but_health_files_and_init(http: htt
     assert (await http.get("/health")).status_code == 204
     assert (await http.get("/metrics", headers=ok)).status_code == 200
     assert (await http.get("/envs", headers=ok)).status_code == 200
+    assert (await http.post("/sync", headers=ok)).status_code == 204  # the host's, before a filesystem-only pause
     resp = await http.post("/filesystem.Filesystem/MakeDir", content=json.dumps({"path": str(victim)}), headers={**JSON, **ok})
     assert resp.status_code == 200 and victim.is_dir()
     assert (await http.get("/files", params={"path": "/etc/hostname"}, headers=ok)).status_code == 200

@@ -24,6 +24,7 @@ STATUS: dict[type[BaseException], int] = {
     e.SandboxStateError: 409,
     e.IdempotencyKeyReused: 422,
     e.CapacityExhausted: 429,
+    e.GuestUnresponsive: 503,
     e.DiskFull: 507,
     e.SnapshotUnusable: 422,
     e.RegistryAuthFailed: 401,

@@ -133,6 +133,7 @@ class SandboxDetail(ListedSandbox):
     allowInternetAccess: bool | None = None
     network: dict[str, Any] | None = None
     lifecycle: dict[str, Any] | None = None
+    pauseMode: str | None = None  # a paused sandbox: "full" (memory too) or "filesystem"
 
     @classmethod
     def of(cls, r: SandboxRecord, domain: str | None = None) -> SandboxDetail:  # type: ignore[override]
@@ -143,8 +144,11 @@ class SandboxDetail(ListedSandbox):
         internet = r.options.get("allowInternetAccess")
         if internet is None:
             internet = "0.0.0.0/0" not in net.get("denyOut", []) or bool(net.get("allowOut"))
+        mode = None
+        if r.paused is not None:
+            mode = "filesystem" if r.paused.filesystem_only else "full"
         return cls(**base, envdAccessToken=r.access_token, domain=domain, allowInternetAccess=internet,
-                   network=wire_net or None,
+                   network=wire_net or None, pauseMode=mode,
                    lifecycle={"autoResume": auto_resume,
                               "onTimeout": "pause" if r.options.get("autoPause") else "kill"})
 

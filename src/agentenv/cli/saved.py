@@ -28,11 +28,18 @@ from agentenv.cli.sandbox import CREATE_TIMEOUT
 SandboxId = Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.", show_default=False)]
 
 
-def pause(ctx: typer.Context, sandbox_id: SandboxId) -> None:
+def pause(
+    ctx: typer.Context,
+    sandbox_id: SandboxId,
+    filesystem_only: Annotated[bool, typer.Option(
+        "--filesystem-only", help="Keep only the disk (the guest flushes its files first); resuming boots it "
+        "again, without its processes.")] = False,
+) -> None:
     """Pause a running sandbox: its memory and disk are saved and it stops using CPU and RAM."""
+    body = {"memory": False} if filesystem_only else {}
     with client_for(ctx) as client:
         with status(f"Pausing sandbox {sandbox_id}…"):
-            client.call("POST", f"/sandboxes/{sandbox_id}/pause", json={}, timeout=CREATE_TIMEOUT)
+            client.call("POST", f"/sandboxes/{sandbox_id}/pause", json=body, timeout=CREATE_TIMEOUT)
     console(stderr=True).print(f"sandbox {sandbox_id} paused; `aenv resume {sandbox_id}` resumes it", markup=False)
 
 
@@ -41,10 +48,15 @@ def resume(
     sandbox_id: SandboxId,
     timeout: Annotated[int | None, typer.Option("--timeout", help="Seconds from now until the sandbox is killed "
                                                 "(server default 300).", show_default=False)] = None,
+    reboot: Annotated[bool, typer.Option(
+        "--reboot", help="Boot its disk instead of restoring its memory (what a --filesystem-only pause "
+        "always does).")] = False,
     output: OutputOption = None,
 ) -> None:
     """Resume a paused sandbox where it left off; prints its id (the sandbox as JSON with -o json)."""
     body: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if reboot:
+        body["memory"] = False
     with client_for(ctx) as client:
         with status(f"Resuming sandbox {sandbox_id}…"):
             sandbox = client.call("POST", f"/sandboxes/{sandbox_id}/resume", json=body, timeout=CREATE_TIMEOUT)

@@ -48,10 +48,15 @@ def create(
     sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox to snapshot.", show_default=False)],
     name: Annotated[str | None, typer.Option("--name", help="A name to start sandboxes from instead of the id.",
                                              show_default=False)] = None,
+    filesystem_only: Annotated[bool, typer.Option(
+        "--filesystem-only", help="Save only the disk (the guest flushes its files first); sandboxes "
+        "started from it boot it.")] = False,
     output: OutputOption = None,
 ) -> None:
     """Save a running sandbox's state (it keeps running); prints the snapshot id."""
     body: dict[str, Any] = {} if name is None else {"name": name}
+    if filesystem_only:
+        body["memory"] = False
     with client_for(ctx) as client:
         with status(f"Snapshotting sandbox {sandbox_id}…"):
             snap = client.call("POST", f"/sandboxes/{sandbox_id}/snapshots", json=body, timeout=CREATE_TIMEOUT)

@@ -326,6 +326,13 @@ class EnvdClient:
         if not 200 <= resp.status_code < 300:
             raise _error_from_body(resp.status_code, resp.content)
 
+    async def sync(self, timeout: float) -> None:
+        """``POST /sync``: the guest writes every dirty page of its filesystems to its disk, so
+        that the disk alone holds the sandbox's files (a filesystem-only pause)."""
+        resp = await self._request("POST", "/sync", headers=self._headers(), timeout=timeout)
+        if not 200 <= resp.status_code < 300:
+            raise _error_from_body(resp.status_code, resp.content)
+
     async def warm_up(self) -> None:
         """A trivial command as the default user and as root, the way SDKs run commands
         (``bash -l -c``; the agent falls back to the image's sh, or its own when the image has

@@ -4,7 +4,8 @@
 It runs as root inside every sandbox microVM (restarted by the guest's shell init if it dies) and
 serves, on TCP port 49983, the part of the envd protocol AgentENV needs: Connect RPC with the JSON
 codec over HTTP/1.1 for the ``process.Process`` and ``filesystem.Filesystem`` services, plus the
-plain HTTP routes ``/health``, ``/init``, ``/envs``, ``/metrics``, ``/files`` and ``/files/compose``.
+plain HTTP routes ``/health``, ``/init``, ``/envs``, ``/metrics``, ``/files``, ``/files/compose``
+and ``/sync`` (the host's, before a filesystem-only pause: flush every filesystem to disk).
 
 Design notes (why it looks the way it does):
 
@@ -168,6 +169,9 @@ class Agent:
         self._check_token(req)  # everything below needs the access token, when one is set
         if path == "/files/compose" and method == "POST":
             return await self.files.compose(req, resp)
+        if path == "/sync" and method == "POST":  # the host, before a filesystem-only pause
+            await blocking(os.sync)
+            return await resp.send(204)
         if path == "/envs" and method == "GET":
             return await resp.send_json(200, self.env_vars, {"Cache-Control": "no-store"})
         if path == "/port-forward" and method == "POST":  # the host's proxy, for a closed port

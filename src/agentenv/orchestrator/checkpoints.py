@@ -29,7 +29,7 @@ from agentenv.errors import SnapshotUnusable, VmmError
 from agentenv.network import Slot
 from agentenv.orchestrator.cleanup import Cleanup
 from agentenv.orchestrator.store import SandboxRecord
-from agentenv.orchestrator.templates import guest_link_spec
+from agentenv.orchestrator.templates import TemplateCatalog, guest_link_spec
 from agentenv.storage import (
     Checkpoint,
     LayerRef,
@@ -62,7 +62,10 @@ class Timings:
 class Checkpointer:
     def __init__(self, repo: SnapshotRepository, *, sock_dir: Path, accel: AccelInfo, tb_size_mb: int,
                  restore_timeout_s: float, max_memory_layers: int, faults: frozenset[str],
-                 max_disk_layers: int = 16) -> None:
+                 max_disk_layers: int = 16, guest_aslr: bool = False,
+                 catalog: TemplateCatalog | None = None) -> None:
+        self.guest_aslr = guest_aslr
+        self.catalog = catalog
         self.max_disk_layers = max_disk_layers
         self.repo = repo
         self.sock_dir = sock_dir
@@ -83,11 +86,13 @@ class Checkpointer:
     # -- capture --------------------------------------------------------------------------
 
     async def capture(self, rec: SandboxRecord, machine: Machine, *, kind: str, name: str | None = None,
-                      seal_disk: bool, keep_running: bool) -> tuple[Checkpoint, str]:
+                      seal_disk: bool, keep_running: bool, memory: bool = True) -> tuple[Checkpoint, str]:
         """Checkpoint the sandbox; returns the published checkpoint and the disk overlay the
-        sandbox writes to from now on (a new one if the disk was sealed)."""
+        sandbox writes to from now on (a new one if the disk was sealed). ``memory=False``: a
+        filesystem-only checkpoint (the caller had the guest flush its filesystems first)."""
         await asyncio.to_thread(check_writable, self.repo.root)
         await machine.wait_jobs()  # a disk being streamed is not sealed
+        env, user, workdir = self._guest_defaults(rec)
         t0 = time.perf_counter()
         await machine.qmp("stop")
         undo = Cleanup(f"checkpoint of {rec.id}")
@@ -111,29 +116,20 @@ class Checkpointer:
                     disk_top = str(new_top)
                 disk_layers = await asyncio.to_thread(self._disk_layers, Path(disk_top))
                 await self._crash_point(f"{kind}_after_disk")
-                chain = [self.repo.layer_path(r.name) for r in (rec.origin.memory if rec.origin else ())]
-                mem_tmp = self.repo.staging_path("mem")
-                undo.add("mem", lambda: asyncio.to_thread(mem_tmp.unlink, True))
                 t1 = time.perf_counter()
-                info = await asyncio.to_thread(ml.capture, machine.pid, machine.spec.mem_path, mem_tmp, chain)
+                if memory:
+                    pages, mem_layers, dev_ref = await self._capture_memory(rec, machine, kind, undo)
+                else:
+                    pages, mem_layers, dev_ref = 0, (), None
+                    await self._crash_point(f"{kind}_before_publish")
                 t2 = time.perf_counter()
-                dev_tmp = self.repo.staging_path("dev")
-                undo.add("dev", lambda: asyncio.to_thread(dev_tmp.unlink, True))
-                await machine.save_device_state(dev_tmp)
-                dev_digest = await asyncio.to_thread(ml.file_digest, dev_tmp)
-                await self._crash_point(f"{kind}_before_publish")
-                mem_ref = await asyncio.to_thread(self.repo.import_layer, mem_tmp, "mem", info.digest)
-                dev_ref = await asyncio.to_thread(self.repo.import_layer, dev_tmp, "dev", dev_digest)
-                memory = (*(rec.origin.memory if rec.origin else ()), mem_ref)
-                if len(memory) > self.max_memory_layers:
-                    memory = (await self._compact(memory),)
                 cp = Checkpoint(
                     id=new_checkpoint_id(), kind=kind, name=name, template=rec.template, base=rec.base_dir,
                     base_created_at=_base(rec.base_dir).created_at, vcpus=rec.vcpus, memory_mb=rec.memory_mb,
-                    disk_mb=rec.disk_mb, memory=memory, device=dev_ref, disk=disk_layers,
+                    disk_mb=rec.disk_mb, memory=mem_layers, device=dev_ref, disk=disk_layers,
                     disk_top=None if seal_disk else rec.disk_path, source_sandbox=rec.id,
-                    env_vars=rec.env_vars, metadata=rec.metadata, access_token=rec.access_token,
-                    created_at=time.time(),
+                    env_vars=env, metadata=rec.metadata, access_token=rec.access_token,
+                    created_at=time.time(), default_user=user, default_workdir=workdir,
                 )
                 t3 = time.perf_counter()
                 await asyncio.to_thread(self.repo.put, cp, kind == "snapshot")
@@ -147,12 +143,13 @@ class Checkpointer:
                 await machine.stream_disk(_base(rec.base_dir).disk)
                 log.info("%s: disk chain of %d layers is being streamed into its top", rec.id, len(disk_layers))
             if kind == "snapshot":  # named snapshots outlive the host's page cache: write them back
-                paths = [self.repo.layer_path(r.name) for r in (*cp.memory, cp.device, *cp.disk)]
+                paths = [self.repo.layer_path(r.name) for r in cp.layers()]
                 self._background.add(asyncio.get_running_loop().create_task(asyncio.to_thread(_sync_files, paths)))
                 self._background = {t for t in self._background if not t.done()}
-            log.info("%s of %s: %d pages, VM stopped %.1f ms (before memory %.1f, memory %.1f, device+import "
-                     "%.1f, manifest %.1f)", kind, rec.id, info.pages, (time.perf_counter() - t0) * 1e3,
-                     (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3)
+            log.info("%s of %s: %s, VM stopped %.1f ms (before memory %.1f, memory+device %.1f, "
+                     "manifest %.1f)", kind, rec.id, f"{pages} pages" if memory else "filesystem only",
+                     (time.perf_counter() - t0) * 1e3,
+                     (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t4 - t3) * 1e3)
             return cp, disk_top
         except BaseException:
             await undo.unwind()
@@ -163,6 +160,37 @@ class Checkpointer:
                     await machine.qmp("cont")
                 except VmmError:
                     log.exception("could not continue %s after its checkpoint", rec.id)
+
+    def _guest_defaults(self, rec: SandboxRecord) -> tuple[dict[str, str], str | None, str | None]:
+        """The env vars, default user and workdir the sandbox's agent holds, as the host knows
+        them: what its origin checkpoint recorded, or its catalog template's (a sandbox from the
+        warm pool has no origin). A cold boot from the checkpoint gives them back to the agent."""
+        if rec.origin is not None:
+            return rec.env_vars, rec.origin.default_user, rec.origin.default_workdir
+        t = self.catalog.get(rec.template) if self.catalog and self.catalog.exists(rec.template) else None
+        if t is None:
+            return rec.env_vars, None, None
+        return {**t.env, **rec.env_vars}, t.user, t.workdir
+
+    async def _capture_memory(self, rec: SandboxRecord, machine: Machine, kind: str,
+                              undo: Cleanup) -> tuple[int, tuple[LayerRef, ...], LayerRef]:
+        """The memory layer (pages changed since the chain the sandbox was restored from) and
+        the device state, imported into the repository; returns the new chain."""
+        chain = [self.repo.layer_path(r.name) for r in (rec.origin.memory if rec.origin else ())]
+        mem_tmp = self.repo.staging_path("mem")
+        undo.add("mem", lambda: asyncio.to_thread(mem_tmp.unlink, True))
+        info = await asyncio.to_thread(ml.capture, machine.pid, machine.spec.mem_path, mem_tmp, chain)
+        dev_tmp = self.repo.staging_path("dev")
+        undo.add("dev", lambda: asyncio.to_thread(dev_tmp.unlink, True))
+        await machine.save_device_state(dev_tmp)
+        dev_digest = await asyncio.to_thread(ml.file_digest, dev_tmp)
+        await self._crash_point(f"{kind}_before_publish")
+        mem_ref = await asyncio.to_thread(self.repo.import_layer, mem_tmp, "mem", info.digest)
+        dev_ref = await asyncio.to_thread(self.repo.import_layer, dev_tmp, "dev", dev_digest)
+        memory = (*(rec.origin.memory if rec.origin else ()), mem_ref)
+        if len(memory) > self.max_memory_layers:
+            memory = (await self._compact(memory),)
+        return info.pages, memory, dev_ref
 
     async def materialize(self, cp: Checkpoint, out: Path) -> Path:
         """One memory file = template memory + the checkpoint's layers, for many sandboxes to
@@ -198,7 +226,11 @@ class Checkpointer:
         ``disk_top`` resumes a paused sandbox on its own overlay; otherwise a new overlay
         is made over the checkpoint's sealed disk. ``mem_file``: a memory file that already
         holds the checkpoint's pages (``materialize``), mapped instead of the template's.
-        ``verified``: the caller checked the layers already (once for all of a fork's children)."""
+        ``verified``: the caller checked the layers already (once for all of a fork's children).
+        A filesystem-only checkpoint cold-boots the template's kernel on the disk instead, with
+        RAM mapped over the template's memory file copy-on-write all the same (so a later
+        pause captures the pages changed relative to it, as for any sandbox); the caller waits
+        for the guest agent."""
         t0 = time.perf_counter()
         if not verified:
             await asyncio.to_thread(self.repo.verify, cp)
@@ -216,21 +248,24 @@ class Checkpointer:
                 backing = self.repo.layer_path(cp.disk[-1].name) if cp.disk else base.disk
                 await create_overlay(disk_top, backing, "qcow2")
                 undo.add("disk", lambda: asyncio.to_thread(disk_top.unlink, True))  # type: ignore[union-attr]
+            boot = cp.device is None
             spec = MachineSpec(
                 name=name, run_dir=run_dir, sock_dir=self.sock_dir, kernel=Path(base.kernel),
                 initramfs=Path(base.initramfs), disk=disk_top, tools=Path(base.tools), mem_path=mem_file or base.mem_file,
-                memory_mb=base.memory_mb, vcpus=base.vcpus, accel=self.accel, incoming=True,
-                device_state_only=True, netns=slot.netns, tb_size_mb=self.tb_size_mb, **guest_link_spec(),
+                memory_mb=base.memory_mb, vcpus=base.vcpus, accel=self.accel, incoming=not boot,
+                device_state_only=not boot, netns=slot.netns, tb_size_mb=self.tb_size_mb,
+                guest_aslr=self.guest_aslr, **guest_link_spec(),
             )
             _write_spec(spec)
             t1 = time.perf_counter()
             machine = await Machine.launch(spec)
             undo.add("machine", machine.kill)
             t2 = time.perf_counter()
-            pages = 0 if mem_file else await asyncio.to_thread(
+            pages = 0 if mem_file or boot else await asyncio.to_thread(
                 ml.restore, machine.pid, base.mem_file, [self.repo.layer_path(r.name) for r in cp.memory])
             t3 = time.perf_counter()
-            await machine.load_state(self.repo.layer_path(cp.device.name), timeout=self.restore_timeout_s)
+            if cp.device is not None:
+                await machine.load_state(self.repo.layer_path(cp.device.name), timeout=self.restore_timeout_s)
             log.info("restore %s: verify+disk %.1f ms, launch %.1f ms, %d pages %.1f ms, device state %.1f ms",
                      name, (t1 - t0) * 1e3, (t2 - t1) * 1e3, pages, (t3 - t2) * 1e3,
                      (time.perf_counter() - t3) * 1e3)

@@ -22,7 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentenv.envd_client import EnvdClient, EnvdError
-from agentenv.errors import GuestError, InvalidRequest, SandboxStateError
+from agentenv.errors import (
+    GuestError,
+    GuestUnresponsive,
+    InvalidRequest,
+    SandboxStateError,
+)
 from agentenv.network import Slot, set_egress
 from agentenv.orchestrator.cleanup import Cleanup
 from agentenv.orchestrator.idempotency import OPTION as IDEMPOTENCY
@@ -44,6 +49,10 @@ log = logging.getLogger(__name__)
 MATERIALIZE_FROM = 2
 
 SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+# How long a pause or snapshot waits for the guest agent when it needs it (to flush the
+# guest's filesystems, or to check that the guest is healthy).
+GUEST_BOUND_S = 10.0
 
 
 @dataclass
@@ -79,12 +88,21 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
         t2 = time.perf_counter()
         timeout = orch.settings.restore_timeout_s
         try:
-            await asyncio.wait_for(envd.init(sandbox_id=sandbox_id, template_id=template, env_vars=env_vars,
-                                             access_token=access_token), timeout)
+            if cp.filesystem_only:  # a cold boot: a fresh agent, given back what it held
+                timeout = orch.settings.boot_timeout_s
+                await envd.wait_healthy(timeout)
+                await asyncio.wait_for(envd.init(
+                    sandbox_id=sandbox_id, template_id=template, env_vars={**cp.env_vars, **env_vars},
+                    access_token=access_token, default_user=cp.default_user,
+                    default_workdir=cp.default_workdir), orch.settings.restore_timeout_s)
+            else:
+                await asyncio.wait_for(envd.init(sandbox_id=sandbox_id, template_id=template, env_vars=env_vars,
+                                                 access_token=access_token), timeout)
         except (EnvdError, asyncio.TimeoutError) as exc:
             why = exc.message if isinstance(exc, EnvdError) else "no answer"
+            after = "its boot" if cp.filesystem_only else "restore"
             raise GuestError(f"sandbox {sandbox_id}: the guest agent did not answer within {timeout:.0f}s "
-                             f"after restore ({why})") from exc
+                             f"after {after} ({why})") from exc
         undo.release()
         log.info("started %s from checkpoint %s: slot %.1f ms, restore %.1f ms, guest init %.1f ms", sandbox_id,
                  cp.id, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
@@ -146,17 +164,29 @@ async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s
                               options=options)
 
 
+async def flush_guest(envd: EnvdClient, sandbox_id: str) -> None:
+    """The guest writes its dirty pages to its disk: a filesystem-only checkpoint keeps only that."""
+    try:
+        await envd.sync(timeout=GUEST_BOUND_S)
+    except EnvdError as exc:
+        raise GuestUnresponsive(
+            f"sandbox {sandbox_id}: saving only its filesystem needs the guest agent to flush the guest's "
+            f"filesystems, and it did not ({exc.message}); the sandbox keeps running") from exc
+
+
 async def _checkpoint(orch: Orchestrator, live: LiveSandbox, state: State, kind: str,
-                      name: str | None) -> Checkpoint:
+                      name: str | None, memory: bool = True) -> Checkpoint:
     """One checkpoint of a running sandbox, disk sealed; the sandbox keeps running."""
     async with live.lock:
-        if live.record.state != State.RUNNING or live.machine is None:
+        if live.record.state != State.RUNNING or live.machine is None or live.envd is None:
             raise SandboxStateError(live.id, live.record.state.value, "running")
+        if not memory:
+            await flush_guest(live.envd, live.id)
         await orch._transition(live, state)
         machine = live.machine
         try:
             cp, _ = await orch.checkpoints.capture(live.record, machine, kind=kind, name=name, seal_disk=True,
-                                                   keep_running=True)
+                                                   keep_running=True, memory=memory)
         except BaseException as exc:
             live.record = live.record.with_(disk_path=str(machine.spec.disk))
             if machine.exited:
@@ -169,7 +199,8 @@ async def _checkpoint(orch: Orchestrator, live: LiveSandbox, state: State, kind:
         return cp
 
 
-async def snapshot(orch: Orchestrator, sandbox_id: str, name: str | None) -> Checkpoint:
+async def snapshot(orch: Orchestrator, sandbox_id: str, name: str | None, memory: bool = True) -> Checkpoint:
+    """``memory=False``: the filesystem only (sandboxes started from it boot its disk)."""
     if name is not None:
         if not SNAPSHOT_NAME.fullmatch(name):
             raise InvalidRequest("snapshot name must be 1-64 letters, digits, '-' or '_', starting with a "
@@ -177,7 +208,7 @@ async def snapshot(orch: Orchestrator, sandbox_id: str, name: str | None) -> Che
         if orch.catalog.exists(name) or orch.builds.exists(name):
             raise InvalidRequest(f"the name '{name}' is a template's; choose another snapshot name")
     live = orch._require(sandbox_id, {State.RUNNING, State.SNAPSHOTTING, State.FORKING})
-    cp = await _checkpoint(orch, live, State.SNAPSHOTTING, "snapshot", name)
+    cp = await _checkpoint(orch, live, State.SNAPSHOTTING, "snapshot", name, memory)
     if name is not None:
         # E2B semantics: a name already taken moves to the new snapshot (a new build of the
         # same snapshot template); the older snapshot keeps its id and stays usable by id.

@@ -9,6 +9,13 @@ VM and returns the sandbox to ``running`` with the error.
 Resume: ``paused → resuming`` → new slot and QEMU, layers written, device state loaded, the
 guest told the clock and given fresh entropy → ``running``. A failed resume leaves it
 ``paused`` (nothing lost: the checkpoint is untouched).
+
+Filesystem-only pause (E2B's ``memory: false``): the guest agent first flushes the guest's
+filesystems to the disk, then the VM is stopped and only the disk is kept (no memory layer, no
+device state). Resuming it cold-boots the template's kernel on that disk: processes and
+memory are gone, files are there (a new ``boot_id``). ``memory: false`` on resume does the
+same for a sandbox paused with its memory: its memory is dropped and its disk booted, as after
+a power cut (writes the guest had not flushed are lost).
 """
 
 from __future__ import annotations
@@ -19,8 +26,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv.errors import SandboxStateError
-from agentenv.orchestrator.forking import start_from_checkpoint
+from agentenv.errors import GuestUnresponsive, SandboxStateError
+from agentenv.orchestrator.forking import (
+    GUEST_BOUND_S,
+    flush_guest,
+    start_from_checkpoint,
+)
 from agentenv.orchestrator.lifecycle import State
 
 if TYPE_CHECKING:
@@ -33,20 +44,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-async def pause(orch: Orchestrator, sandbox_id: str) -> SandboxRecord:
+async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
+                require_healthy: bool = False) -> SandboxRecord:
+    """``memory=False``: filesystem-only. ``require_healthy``: refuse (503, the sandbox keeps
+    running) when the guest agent does not answer, instead of saving a guest that may be hung."""
     live = orch._require(sandbox_id, {State.RUNNING, State.PAUSING, State.PAUSED, State.SNAPSHOTTING,
                                       State.FORKING})
     async with live.lock:
         if live.record.state == State.PAUSED:
             raise SandboxStateError(sandbox_id, "paused", "running")
-        if live.record.state != State.RUNNING or live.machine is None:
+        if live.record.state != State.RUNNING or live.machine is None or live.envd is None:
             raise SandboxStateError(sandbox_id, live.record.state.value, "running")
         t0 = time.perf_counter()
+        if not memory:
+            await flush_guest(live.envd, sandbox_id)
+        elif require_healthy and not await live.envd.health(timeout=GUEST_BOUND_S):
+            raise GuestUnresponsive(f"sandbox {sandbox_id}: its guest agent does not answer, and the pause "
+                                    f"asked for a healthy guest; the sandbox keeps running")
         await orch._transition(live, State.PAUSING)
         machine = live.machine
         try:
             cp, _ = await orch.checkpoints.capture(live.record, machine, kind="pause", seal_disk=False,
-                                                   keep_running=False)
+                                                   keep_running=False, memory=memory)
         except BaseException as exc:
             if machine.exited:
                 await orch._fail(live, f"QEMU exited while pausing ({exc!r})")
@@ -62,7 +81,8 @@ async def pause(orch: Orchestrator, sandbox_id: str) -> SandboxRecord:
         envd, slot = live.envd, live.slot
         live.machine, live.envd, live.slot = None, None, None  # the exit watcher must not see a crash
         live.releasing = asyncio.get_running_loop().create_task(_free(orch, machine, envd, slot))
-        log.info("sandbox %s: paused in %.1f ms", sandbox_id, (time.perf_counter() - t0) * 1e3)
+        log.info("sandbox %s: paused%s in %.1f ms", sandbox_id, "" if memory else " (filesystem only)",
+                 (time.perf_counter() - t0) * 1e3)
         return live.record
 
 
@@ -76,7 +96,10 @@ async def _free(orch: Orchestrator, machine: Machine, envd: EnvdClient | None, s
             await orch.slots.release(slot)
 
 
-async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None) -> SandboxRecord:
+async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
+                 memory: bool = True) -> SandboxRecord:
+    """``memory=False``: boot the sandbox's disk instead of restoring its memory (the only way
+    for a filesystem-only pause, where it is the default)."""
     live = orch._require(sandbox_id, {State.PAUSED, State.RESUMING, State.RUNNING, State.PAUSING})
     async with live.lock:
         if live.record.state != State.PAUSED or live.record.paused is None:
@@ -85,6 +108,8 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None) -> 
         timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
         orch.check_capacity()
         cp = live.record.paused
+        if not memory and not cp.filesystem_only:
+            cp = cp.with_(memory=(), device=None)
         await orch._transition(live, State.RESUMING)
         rec = live.record
         try:
@@ -106,7 +131,8 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None) -> 
         return live.record
 
 
-async def connect(orch: Orchestrator, sandbox_id: str, timeout_s: int | None) -> tuple[SandboxRecord, bool]:
+async def connect(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
+                  memory: bool = True) -> tuple[SandboxRecord, bool]:
     live = orch._require(sandbox_id, {State.RUNNING, State.PAUSED, State.PAUSING, State.RESUMING,
                                       State.SNAPSHOTTING, State.FORKING})
     async with live.lock:  # wait for a transition in progress to finish
@@ -119,7 +145,7 @@ async def connect(orch: Orchestrator, sandbox_id: str, timeout_s: int | None) ->
                 live.record = live.record.with_(end_at=end)
                 await orch.store.put(live.record)
         return live.record, False
-    return await resume(orch, sandbox_id, timeout_s), True
+    return await resume(orch, sandbox_id, timeout_s, memory), True
 
 
 async def pause_all(orch: Orchestrator) -> None:

@@ -17,6 +17,7 @@ from agentenv.config import Settings
 from agentenv.envd_client import CommandResult, EnvdClient, ProcessEvent
 from agentenv.errors import (
     CapacityExhausted,
+    GuestUnresponsive,
     InvalidRequest,
     PlatformError,
     SandboxNotFound,
@@ -65,7 +66,8 @@ class Orchestrator:
         self.checkpoints = Checkpointer(
             self.repo, sock_dir=settings.sock_dir, accel=self.accel, tb_size_mb=settings.tcg_tb_size_mb,
             restore_timeout_s=settings.restore_timeout_s, max_memory_layers=settings.max_memory_layers,
-            faults=settings.faults, max_disk_layers=settings.max_disk_layers)
+            faults=settings.faults, max_disk_layers=settings.max_disk_layers, guest_aslr=settings.guest_aslr,
+            catalog=self.catalog)
         self._live: dict[str, LiveSandbox] = {}
         self._forking = 0  # forks in progress (their memory file is not mapped yet)
         self._tasks: list[asyncio.Task[None]] = []
@@ -318,9 +320,20 @@ class Orchestrator:
                     action = "pause" if live.record.auto_pause else "kill"
                     log.info("sandbox %s reached its timeout: %s", live.id, action)
                     try:
-                        await (self.pause(live.id) if live.record.auto_pause else self.kill(live.id))
+                        await (self._auto_pause(live) if live.record.auto_pause else self.kill(live.id))
                     except Exception:  # noqa: BLE001 — background
                         log.exception("reaper could not %s %s", action, live.id)
+
+    async def _auto_pause(self, live: LiveSandbox) -> None:
+        """E2B's auto-pause; ``autoPauseMemory: false`` makes it filesystem-only. When the guest
+        cannot flush its filesystems for that, its memory is saved instead: nothing is lost."""
+        if live.record.options.get("autoPauseMemory") is False:
+            try:
+                await self.pause(live.id, memory=False)
+                return
+            except GuestUnresponsive as exc:
+                log.warning("%s; saving its memory instead", exc.message)
+        await self.pause(live.id)
 
     async def _prepare_templates(self) -> None:
         """Snapshot every template in its default shape and fill its pool, in the background,
@@ -388,32 +401,35 @@ class Orchestrator:
         """One conversion at a time per output file (two pulls of one image wait for each other)."""
         return self._image_locks.setdefault(key, asyncio.Lock())
 
-    async def pause(self, sandbox_id: str) -> SandboxRecord:
+    async def pause(self, sandbox_id: str, *, memory: bool = True, require_healthy: bool = False) -> SandboxRecord:
+        """``memory=False``: filesystem-only (resumed by a cold boot of its disk)."""
         from agentenv.orchestrator.pausing import pause
 
-        return await pause(self, sandbox_id)
+        return await pause(self, sandbox_id, memory=memory, require_healthy=require_healthy)
 
-    async def resume(self, sandbox_id: str, timeout_s: int | None = None) -> SandboxRecord:
+    async def resume(self, sandbox_id: str, timeout_s: int | None = None, *, memory: bool = True) -> SandboxRecord:
+        """``memory=False``: boot its disk instead of restoring its memory."""
         from agentenv.orchestrator.pausing import resume
 
-        return await resume(self, sandbox_id, timeout_s)
+        return await resume(self, sandbox_id, timeout_s, memory)
 
-    async def connect(self, sandbox_id: str, timeout_s: int | None = None) -> tuple[SandboxRecord, bool]:
+    async def connect(self, sandbox_id: str, timeout_s: int | None = None, *,
+                      memory: bool = True) -> tuple[SandboxRecord, bool]:
         """Running: extend the timeout (never shorten) → (record, False). Paused: resume →
         (record, True)."""
         from agentenv.orchestrator.pausing import connect
 
-        return await connect(self, sandbox_id, timeout_s)
+        return await connect(self, sandbox_id, timeout_s, memory)
 
     async def pause_all(self) -> None:
         from agentenv.orchestrator.pausing import pause_all
 
         await pause_all(self)
 
-    async def snapshot(self, sandbox_id: str, name: str | None = None) -> Checkpoint:
+    async def snapshot(self, sandbox_id: str, name: str | None = None, *, memory: bool = True) -> Checkpoint:
         from agentenv.orchestrator.forking import snapshot
 
-        return await snapshot(self, sandbox_id, name)
+        return await snapshot(self, sandbox_id, name, memory)
 
     async def fork(self, sandbox_id: str, count: int = 1,
                    timeout_s: int | None = None) -> list[SandboxRecord | Exception]:

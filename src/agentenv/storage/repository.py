@@ -58,7 +58,11 @@ class Checkpoint:
     ``template`` (a built template, launchable by name) or ``build-step`` (the layer cache of
     template builds, named by its cache key).
     The memory chain is relative to the template snapshot in ``base`` (its memory file);
-    ``base_created_at`` identifies that exact build of it.
+    ``base_created_at`` identifies that exact build of it. A **filesystem-only** checkpoint
+    (E2B's ``memory: false``) has no memory layers and no device state (``device`` is None):
+    starting from it cold-boots the template's kernel on its disk.
+    ``default_user``/``default_workdir``: what a cold boot gives the fresh guest agent (with
+    ``env_vars``), since no agent memory carries them; None means the template's.
     """
 
     id: str
@@ -70,7 +74,7 @@ class Checkpoint:
     memory_mb: int
     disk_mb: int
     memory: tuple[LayerRef, ...]
-    device: LayerRef
+    device: LayerRef | None  # None: filesystem only
     disk: tuple[LayerRef, ...]  # sealed layers, oldest first, over the template's disk
     disk_top: str | None = None  # pause: the sandbox's own overlay, resumed in place
     name: str | None = None
@@ -79,9 +83,18 @@ class Checkpoint:
     metadata: dict[str, str] = field(default_factory=dict)
     access_token: str | None = None  # the guest's token when the state was saved
     created_at: float = 0.0
+    default_user: str | None = None
+    default_workdir: str | None = None
+
+    @property
+    def filesystem_only(self) -> bool:
+        return self.device is None
+
+    def layers(self) -> tuple[LayerRef, ...]:
+        return (*self.memory, *((self.device,) if self.device else ()), *self.disk)
 
     def layer_names(self) -> set[str]:
-        return {r.name for r in (*self.memory, self.device, *self.disk)}
+        return {r.name for r in self.layers()}
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -91,7 +104,7 @@ class Checkpoint:
         d = dict(d)
         d["memory"] = tuple(LayerRef(**x) for x in d["memory"])  # type: ignore[arg-type, union-attr]
         d["disk"] = tuple(LayerRef(**x) for x in d["disk"])  # type: ignore[arg-type, union-attr]
-        d["device"] = LayerRef(**d["device"])  # type: ignore[arg-type]
+        d["device"] = LayerRef(**d["device"]) if d.get("device") else None  # type: ignore[arg-type]
         return cls(**d)  # type: ignore[arg-type]
 
     def with_(self, **changes: object) -> Checkpoint:
@@ -157,7 +170,7 @@ class SnapshotRepository:
 
     def verify(self, cp: Checkpoint) -> None:
         """Refuse a checkpoint whose layers are missing, truncated or fail their checksum."""
-        for ref in (*cp.memory, cp.device, *cp.disk):
+        for ref in cp.layers():
             p = self.layers / ref.name
             try:
                 size = p.stat().st_size

@@ -26,11 +26,15 @@ class ResumeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     timeout: int | None = Field(default=None, description="seconds from now; default 300")
     autoPause: bool | None = None
+    memory: bool | None = Field(default=None, description="false: boot the sandbox's disk instead of "
+                                "restoring its memory (always so after a filesystem-only pause)")
 
 
 class SnapshotRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str | None = None
+    memory: bool | None = Field(default=None, description="false: the filesystem only; sandboxes "
+                                "started from it boot its disk")
 
 
 class SnapshotInfo(BaseModel):
@@ -66,8 +70,11 @@ async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204, response_class=Response)
 async def pause(sandbox_id: str, request: Request) -> Response:
-    await _body(request, PauseRequest)
-    await orch_of(request).pause(sandbox_id)
+    """``memory: false``: filesystem-only (the guest flushes its filesystems; resume boots the
+    disk). ``requireHealthyGuest``: 503 and nothing changed when the guest agent does not answer."""
+    body = await _body(request, PauseRequest)
+    await orch_of(request).pause(sandbox_id, memory=body.memory is not False,  # type: ignore[attr-defined]
+                                 require_healthy=bool(body.requireHealthyGuest))  # type: ignore[attr-defined]
     return Response(status_code=204)
 
 
@@ -75,8 +82,9 @@ async def pause(sandbox_id: str, request: Request) -> Response:
              response_model_exclude_none=True)
 async def resume(sandbox_id: str, request: Request) -> Sandbox:
     body = await _body(request, ResumeRequest)
-    return Sandbox.of(await orch_of(request).resume(sandbox_id, body.timeout),  # type: ignore[attr-defined]
-                      orch_of(request).settings.domain)
+    rec = await orch_of(request).resume(sandbox_id, body.timeout,  # type: ignore[attr-defined]
+                                        memory=body.memory is not False)  # type: ignore[attr-defined]
+    return Sandbox.of(rec, orch_of(request).settings.domain)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect", response_model=Sandbox, response_model_exclude_none=True)
@@ -84,7 +92,8 @@ async def resume(sandbox_id: str, request: Request) -> Sandbox:
 async def connect(sandbox_id: str, request: Request, response: Response) -> Sandbox:
     """200 when it was running (timeout only extended), 201 when it was paused and resumed."""
     body = await _body(request, ResumeRequest)
-    rec, resumed = await orch_of(request).connect(sandbox_id, body.timeout)  # type: ignore[attr-defined]
+    rec, resumed = await orch_of(request).connect(sandbox_id, body.timeout,  # type: ignore[attr-defined]
+                                                  memory=body.memory is not False)  # type: ignore[attr-defined]
     response.status_code = 201 if resumed else 200
     return Sandbox.of(rec, orch_of(request).settings.domain)
 
@@ -93,7 +102,9 @@ async def connect(sandbox_id: str, request: Request, response: Response) -> Sand
              response_model_exclude_none=True)
 async def create_snapshot(sandbox_id: str, request: Request) -> SnapshotInfo:
     body = await _body(request, SnapshotRequest)
-    return SnapshotInfo.of(await orch_of(request).snapshot(sandbox_id, body.name))  # type: ignore[attr-defined]
+    cp = await orch_of(request).snapshot(sandbox_id, body.name,  # type: ignore[attr-defined]
+                                         memory=body.memory is not False)  # type: ignore[attr-defined]
+    return SnapshotInfo.of(cp)
 
 
 @router.get("/snapshots", response_model=list[SnapshotInfo], response_model_exclude_none=True)

@@ -468,7 +468,7 @@ class Builds(GuestSteps):
                     await drain
         self._log(b, "Snapshotting the sandbox (memory, processes and disk)", step=step)
         cp = await self._checkpoint(sid, TEMPLATE_KIND, b.template_id)
-        cp = cp.with_(env_vars=dict(cfg.env), metadata={})
+        cp = cp.with_(env_vars=dict(cfg.env), metadata={}, default_user=cfg.user, default_workdir=cfg.workdir)
         await asyncio.to_thread(self.orch.repo.put, cp, True)
         self._publish(b, spec, cp, cfg, final_key)
         await self.orch.gc()
