@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -105,9 +106,27 @@ def test_hung_guest_agent_fails_create_in_bounded_time(tmp_path: Path) -> None:
             # The first create also builds the template snapshot (a cold boot); time the second.
             api.post("/sandboxes", json={"templateID": "base"})
             before = (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir)), host.node_netns(s.data_dir))
-            t0 = time.monotonic()
-            r = api.post("/sandboxes", json={"templateID": "base"})
-            elapsed = time.monotonic() - t0
+
+            def create() -> tuple[httpx.Response, float]:
+                t0 = time.monotonic()
+                with s.client() as other:
+                    return other.post("/sandboxes", json={"templateID": "base"}), time.monotonic() - t0
+
+            with ThreadPoolExecutor(2) as threads:
+                pending = threads.submit(create)
+                creating: list[dict] = []
+                while not creating and not pending.done():
+                    creating = api.get("/sandboxes", params={"state": "creating"}).json()
+                    time.sleep(0.05)
+                assert creating, "the hung create was never listed as creating"
+                # E2B clients parse only running and paused: a GET waits for the create to end
+                # (here it fails, so the sandbox is gone), and a DELETE does not race it.
+                sid = creating[0]["sandboxID"]
+                with s.client() as other:
+                    get = threads.submit(other.get, f"/sandboxes/{sid}")
+                    assert api.delete(f"/sandboxes/{sid}").status_code == 404
+                    assert get.result().status_code == 404
+                r, elapsed = pending.result()
             assert r.status_code == 502, r.text
             assert "did not answer" in r.json()["message"]
             assert elapsed < 20, elapsed

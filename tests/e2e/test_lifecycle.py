@@ -131,6 +131,13 @@ def test_create_retried_with_an_idempotency_key_makes_one_sandbox(api: httpx.Cli
         server.start()
         r = api.post("/v2/sandboxes", json=body, headers={"Idempotency-Key": key})
         assert r.status_code == 201 and r.json()["sandboxID"] == sid and r.headers["idempotent-replayed"] == "true"
+        # Paused meanwhile (auto-pause, or by hand): the retry gets it back running, as a create would.
+        run(api, sid, "echo before > /tmp/replay")
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        r = api.post("/sandboxes", json=body, headers={"Idempotency-Key": key})
+        assert r.status_code == 201 and r.json()["sandboxID"] == sid and r.headers["idempotent-replayed"] == "true"
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+        assert run(api, sid, "cat /tmp/replay")["stdout"] == "before\n"
     finally:
         assert api.delete(f"/sandboxes/{sid}").status_code == 204
     r = api.post("/sandboxes", json=body, headers={"Idempotency-Key": key})  # the sandbox is gone: a new one

@@ -127,6 +127,15 @@ class Orchestrator:
             raise SandboxNotFound(sandbox_id)
         return live.record
 
+    async def get_settled(self, sandbox_id: str) -> SandboxRecord:
+        """The record, once a create or a kill in progress has ended: E2B clients know only
+        running and paused sandboxes, and a sandbox being killed is, to them, already gone."""
+        live = self._live.get(sandbox_id)
+        if live is not None and live.record.state in (State.CREATING, State.KILLING):
+            async with live.lock:
+                pass
+        return self.get(sandbox_id)
+
     def list(self, states: set[State] | None = None, metadata: dict[str, str] | None = None) -> list[SandboxRecord]:
         out = []
         for live in self._live.values():
@@ -200,18 +209,19 @@ class Orchestrator:
         )
         live = LiveSandbox(rec, shell.machine, shell.slot, shell.envd)
         self._live[rec.id] = live
-        try:
-            # Not persisted while creating: if the server dies now, the run dir has no record
-            # and recovery kills its QEMU and removes it; the caller got no answer and retries.
-            await self._apply_egress(live)  # before the guest runs a single instruction
-            await self._restore(live, shell)
-        except BaseException as exc:
-            reason = exc.message if isinstance(exc, PlatformError) else f"create failed: {exc!r}"
-            await self._fail(live, reason)
-            self._live.pop(rec.id, None)
-            await self.store.delete(rec.id)
-            await remove_tree(shell.run_dir)
-            raise
+        async with live.lock:  # an operation on it meanwhile (a kill) waits for the create to end
+            try:
+                # Not persisted while creating: if the server dies now, the run dir has no record
+                # and recovery kills its QEMU and removes it; the caller got no answer and retries.
+                await self._apply_egress(live)  # before the guest runs a single instruction
+                await self._restore(live, shell)
+            except BaseException as exc:
+                reason = exc.message if isinstance(exc, PlatformError) else f"create failed: {exc!r}"
+                await self._fail(live, reason)
+                self._live.pop(rec.id, None)
+                await self.store.delete(rec.id)
+                await remove_tree(shell.run_dir)
+                raise
         return live.record
 
     async def _restore(self, live: LiveSandbox, shell: Shell) -> None:
@@ -237,6 +247,8 @@ class Orchestrator:
         if live is None:
             raise SandboxNotFound(sandbox_id)
         async with live.lock:
+            if self._live.get(sandbox_id) is not live:  # its create failed meanwhile
+                raise SandboxNotFound(sandbox_id)
             if live.record.state == State.KILLING:
                 return
             await self._transition(live, State.KILLING)

@@ -106,6 +106,8 @@ async def _create(body: NewSandbox, request: Request, response: Response) -> San
         rec, replayed = await orch.creates.create(key, hashlib.sha256(canonical.encode()).hexdigest(), make)
         if replayed:
             response.headers["Idempotent-Replayed"] = "true"
+            if rec.state != State.RUNNING:  # paused since: a create answers with a running sandbox
+                rec, _ = await orch.connect(rec.id, body.timeout)
     return Sandbox.of(rec, _domain(request))
 
 
@@ -241,7 +243,8 @@ async def sandboxes_metrics(request: Request, sandbox_ids: str = Query(min_lengt
 @router.get("/sandboxes/{sandbox_id}", response_model=SandboxDetail, response_model_exclude_none=True,
             responses={410: {"description": "the sandbox failed (state `error`); the message says why"}})
 async def get_sandbox(sandbox_id: str, request: Request) -> SandboxDetail | JSONResponse:
-    rec = orch_of(request).get(sandbox_id)
+    """A sandbox being created or killed is answered once that has ended (running, or 404)."""
+    rec = await orch_of(request).get_settled(sandbox_id)
     if rec.state == State.ERROR:
         # E2B SDKs fail to parse a state other than running or paused, so a failed sandbox is
         # 410 Gone: they raise it with the reason as the message. The record stays (with
