@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from agentenv.errors import DiskFull, ExternalCommandError, StorageError
@@ -18,16 +20,31 @@ async def create_overlay(path: Path, backing: Path, backing_format: str) -> Path
     return await _qemu_img_create(path, ["-b", str(backing), "-F", backing_format], None, "a disk overlay")
 
 
+# ``qemu-img create`` ends with an fdatasync of the new file. On ext4 that forces a journal
+# commit, which first writes back other files' dirty data: measured 1.2 s behind the fsync of a
+# 1 GiB layer, inside a snapshot's stop window, and on every create while sandboxes write to
+# their disks. The overlay is made on tmpfs, where the fdatasync costs nothing, and copied into
+# place (~200 KB). It needs no durability of its own: QEMU writes to it with cache=unsafe.
+STAGING = Path("/dev/shm")
+
+
 async def _qemu_img_create(path: Path, opts: list[str], size: str | None, what: str) -> Path:
     """``qemu-img create -f qcow2 <opts> path [size]``; a failure leaves no file behind and a
     full disk is DiskFull."""
+    staging = Path(tempfile.mkdtemp(prefix="aenv-qcow2-", dir=STAGING if STAGING.is_dir() else path.parent))
+    made = staging / path.name
     try:
-        await run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(path), *([size] if size else [])])
+        await run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(made), *([size] if size else [])])
+        await asyncio.to_thread(shutil.copyfile, made, path)
     except ExternalCommandError as exc:
-        path.unlink(missing_ok=True)
-        if "No space left" in exc.output:
-            raise DiskFull(f"no space left on {path.parent} for {what}; free disk space") from exc
         raise StorageError(f"cannot create overlay {path}: {exc.output.strip()}") from exc
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:
+            raise DiskFull(f"no space left on {path.parent} for {what}; free disk space") from exc
+        raise StorageError(f"cannot write overlay {path}: {exc}") from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return path
 
 

@@ -1,0 +1,40 @@
+"""qcow2 overlays are made by qemu-img on tmpfs and copied into place (storage/overlays.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from agentenv.errors import StorageError
+from agentenv.storage import overlays
+from agentenv.storage.overlays import backing_chain, create_overlay, create_overlay_over
+
+
+def _info(path: Path) -> dict:
+    out = subprocess.run(["qemu-img", "info", "-U", "--output=json", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out)
+
+
+def test_overlays_are_valid_qcow2_over_their_backing_and_leave_no_staging(tmp_path: Path) -> None:
+    staged_before = set(overlays.STAGING.glob("aenv-qcow2-*"))
+    base = tmp_path / "base.raw"
+    base.write_bytes(b"\0" * (1 << 20))
+    asyncio.run(create_overlay(tmp_path / "top.qcow2", base, "raw"))
+    info = _info(tmp_path / "top.qcow2")
+    assert (info["format"], info["backing-filename"], info["virtual-size"]) == ("qcow2", str(base), 1 << 20)
+    # Over a layer that is not there yet (a snapshot's stop window names it first).
+    asyncio.run(create_overlay_over(tmp_path / "next.qcow2", tmp_path / "sealed.qcow2", 64))
+    assert backing_chain(tmp_path / "next.qcow2") == [tmp_path / "sealed.qcow2"]
+    assert _info(tmp_path / "next.qcow2")["virtual-size"] == 64 << 20
+    assert set(overlays.STAGING.glob("aenv-qcow2-*")) == staged_before
+
+
+def test_a_failed_create_leaves_no_file(tmp_path: Path) -> None:
+    with pytest.raises(StorageError):  # the backing file must exist without -u
+        asyncio.run(create_overlay(tmp_path / "top.qcow2", tmp_path / "missing.raw", "raw"))
+    assert list(tmp_path.iterdir()) == []
