@@ -132,7 +132,9 @@ class Checkpointer:
                     created_at=time.time(), default_user=user, default_workdir=workdir,
                 )
                 t3 = time.perf_counter()
-                await asyncio.to_thread(self.repo.put, cp, kind == "snapshot")
+                # Atomic (visible whole or not at all, across a server crash); durable against a
+                # host crash once its layers are, after the stop window (below).
+                await asyncio.to_thread(self.repo.put, cp, False)
                 t4 = time.perf_counter()
                 await self._crash_point(f"{kind}_after_publish")
                 undo.release()
@@ -143,9 +145,8 @@ class Checkpointer:
                 await machine.stream_disk(_base(rec.base_dir).disk)
                 log.info("%s: disk chain of %d layers is being streamed into its top", rec.id, len(disk_layers))
             if kind == "snapshot":  # named snapshots outlive the host's page cache: write them back
-                paths = [self.repo.layer_path(r.name) for r in cp.layers()]
-                self._background.add(asyncio.get_running_loop().create_task(asyncio.to_thread(_sync_files, paths)))
-                self._background = {t for t in self._background if not t.done()}
+                task = asyncio.get_running_loop().create_task(asyncio.to_thread(self.repo.make_durable, cp))
+                self._background = {t for t in self._background if not t.done()} | {task}
             log.info("%s of %s: %s, VM stopped %.1f ms (before memory %.1f, memory+device %.1f, "
                      "manifest %.1f)", kind, rec.id, f"{pages} pages" if memory else "filesystem only",
                      (time.perf_counter() - t0) * 1e3,
@@ -274,18 +275,6 @@ class Checkpointer:
         except BaseException:
             await undo.unwind()
             raise
-
-
-def _sync_files(paths: list[Path]) -> None:
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue  # collected meanwhile
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _base(base_dir: str) -> TemplateSnapshot:

@@ -200,6 +200,21 @@ class SnapshotRepository:
         if durable:
             fsync_path(self.manifests)
 
+    def make_durable(self, cp: Checkpoint) -> None:
+        """fsync a published checkpoint's layers, then its manifest and the manifests directory:
+        after a host crash its manifest is there only if its layers are. Layers collected
+        meanwhile are skipped (the checkpoint was deleted)."""
+        for ref in cp.layers():
+            try:
+                fsync_path(self.layers / ref.name)
+            except FileNotFoundError:
+                continue
+        try:
+            fsync_path(self.manifests / f"{cp.id}.json")
+        except FileNotFoundError:
+            return
+        fsync_path(self.manifests)
+
     def get(self, id_or_name: str) -> Checkpoint:
         if not NAME_RE.fullmatch(id_or_name):
             raise SnapshotNotFound(id_or_name)
