@@ -196,6 +196,8 @@ def test_get_host_reaches_a_server_in_the_sandbox(sdk: SDK) -> None:
         o["by_headers"] = r.status_code
         r = httpx.post(server + "/init", headers={"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "49983"}, json={})
         o["init"] = r.status_code
+        r = httpx.post(server + "/sync", headers={"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "49983"})
+        o["sync"] = r.status_code
         sb.kill()
         r = httpx.get(server + "/hello.txt", headers={"Host": host})
         o["killed"] = [r.status_code, r.json()]
@@ -207,7 +209,7 @@ def test_get_host_reaches_a_server_in_the_sandbox(sdk: SDK) -> None:
     assert out["closed"] == [502, {"sandboxId": sid, "message": "The sandbox is running but port is not open",
                                    "port": 8001, "code": 502}]
     assert out["by_headers"] == 200
-    assert out["init"] == 404
+    assert out["init"] == 404 and out["sync"] == 404  # the host's control routes
     assert out["killed"] == [502, {"sandboxId": sid, "message": "The sandbox was not found", "code": 502}]
 
 

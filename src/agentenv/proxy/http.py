@@ -31,7 +31,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 ENVD_PORT = 49983
 # envd's control routes, never reachable from outside (E2B's edge answers 404).
-INTERNAL_ENVD_PATHS = frozenset({"/init", "/port-forward", "/upgrade", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
+INTERNAL_ENVD_PATHS = frozenset({"/init", "/sync", "/port-forward", "/upgrade", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                         b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host"})
 # Requests are made as httpx.Request, not with a client's build_request: that would add the
