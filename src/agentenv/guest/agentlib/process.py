@@ -184,6 +184,8 @@ class Process:
             self._loop.remove_reader(fd)
             os.close(fd)
             self._outputs = [(f, k) for f, k in self._outputs if f != fd]  # the number may be reused
+            if not self._outputs and self._status is None:
+                self._reap_now()
             if not self._outputs and self._status is not None:
                 self._complete()
             return
@@ -192,6 +194,17 @@ class Process:
             if full:  # a slow client: stop reading until it has room (back-pressure)
                 self._loop.remove_reader(fd)
                 self._spawn_task(self._deliver_later(full, fd, kind))
+
+    def _reap_now(self) -> None:
+        """The outputs closed, most often because the process exited: collect it now rather
+        than in the SIGCHLD handler's turn of the event loop (milliseconds later under
+        emulation). A process still running (it closed its outputs itself) is left to it."""
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped by the handler meanwhile
+            return
+        if pid == self.pid:
+            self._status = status
 
     def _deliver(self, event: dict) -> list[tuple[Subscriber, dict]]:
         """Queue ``event`` for every subscriber with room; return the ones without."""
