@@ -124,6 +124,30 @@ def test_snapshot_published_before_a_crash_is_complete_and_usable(node: ServerPr
         repository_is_clean(node)
 
 
+def test_a_sandbox_adopted_after_its_snapshot_goes_on_from_its_new_disk_top(node: ServerProcess) -> None:
+    """A snapshot moves the sandbox onto a new disk top; a server crash afterwards re-adopts the
+    VM with that top (the record's), and later snapshots and pauses see every write."""
+    restart(node)
+    with node.client() as api:
+        sid = busy_sandbox(api)
+        snap = api.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"]
+        run(api, sid, "echo after > /home/user/f.txt")
+    restart(node)
+    with node.client() as api:
+        assert state(api, sid) == "running"
+        again = api.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"]
+        child = api.post("/sandboxes", json={"templateID": again}).json()["sandboxID"]
+        assert run(api, child, "cat /home/user/f.txt")["stdout"] == "after\n"
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        assert api.post(f"/sandboxes/{sid}/resume").status_code == 201
+        assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "after\n"
+        for s in (sid, child):
+            api.delete(f"/sandboxes/{s}")
+        for s in (snap, again):
+            api.delete(f"/snapshots/{s}")
+        repository_is_clean(node)
+
+
 def test_paused_sandbox_survives_a_server_crash(node: ServerProcess) -> None:
     restart(node)
     with node.client() as api:
@@ -242,9 +266,11 @@ def test_disk_chain_is_bounded_by_streaming(node: ServerProcess) -> None:
             run(api, sid, f"echo {i} > /home/user/gen{i}")
             snaps.append(api.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"])
         assert api.post(f"/sandboxes/{sid}/pause").status_code == 204  # waits for the stream
-        import json
+        import sqlite3
 
-        top = Path(json.loads((node.data_dir / "sandboxes" / sid / "machine.json").read_text())["disk"])
+        with sqlite3.connect(node.data_dir / "state.sqlite") as db:  # the record holds the current top
+            (top,) = db.execute("SELECT disk_path FROM sandboxes WHERE id = ?", (sid,)).fetchone()
+        top = Path(top)
         layers = node.data_dir / "repository" / "layers"
         depth = sum(1 for p in backing_chain(top) if p.parent == layers)
         assert depth <= 3, f"disk chain not bounded: {depth} repository layers under {top}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,8 @@ async def recover(orch: Orchestrator) -> None:
             live.slot = orch.slots.slot(rec.slot_index)
         try:
             spec = spec_from_json(json.loads((Path(rec.run_dir) / "machine.json").read_text()))
+            if rec.disk_path:  # the top it writes to now (a snapshot switches it; machine.json keeps the first)
+                spec = replace(spec, disk=Path(rec.disk_path))
             live.machine = await Machine.adopt(spec)
         except (OSError, ValueError, VmmError) as exc:
             if rec.state == State.RESUMING and rec.paused is not None:
