@@ -90,8 +90,9 @@ def test_auto_pause_without_memory_at_timeout(api: httpx.Client) -> None:
                                        "autoPauseMemory": False}).json()["sandboxID"]
     try:
         md5 = run(api, sid, WRITE)["stdout"].split()[0]
+        # `pauseMode` appears once the pause has finished (a sandbox still pausing lists as paused)
         deadline = time.monotonic() + 30
-        while api.get(f"/sandboxes/{sid}").json()["state"] != "paused" and time.monotonic() < deadline:
+        while "pauseMode" not in api.get(f"/sandboxes/{sid}").json() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert api.get(f"/sandboxes/{sid}").json()["pauseMode"] == "filesystem"
         assert api.post(f"/sandboxes/{sid}/connect", json={"timeout": 300}).status_code == 201
