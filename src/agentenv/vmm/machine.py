@@ -76,7 +76,11 @@ class Machine:
         if launcher.returncode != 0:
             raise VmLaunchFailed(argv, out.decode(errors="replace"))
         pid = int(pidfile.read_text().strip())
-        return await cls._connect(spec, pid)
+        try:
+            return await cls._connect(spec, pid)
+        except asyncio.CancelledError:
+            kill_pid(pid)  # cancelled before QMP was up: nobody holds this QEMU, so it goes
+            raise
 
     @classmethod
     async def adopt(cls, spec: MachineSpec) -> Machine:
