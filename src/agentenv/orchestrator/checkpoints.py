@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from agentenv.errors import SnapshotUnusable, VmmError
@@ -48,22 +48,10 @@ from agentenv.vmm.spec import spec_to_json
 log = logging.getLogger(__name__)
 
 
-class InjectedCrash(BaseException):
-    """Raised at a crash point named in AENV_FAULTS: the test then SIGKILLs the server."""
-
-
-@dataclass
-class Timings:
-    stopped_ms: float = 0.0
-    memory_ms: float = 0.0
-    pages: int = 0
-
-
 class Checkpointer:
-    def __init__(self, repo: SnapshotRepository, *, sock_dir: Path, accel: AccelInfo, tb_size_mb: int,
-                 restore_timeout_s: float, max_memory_layers: int, faults: frozenset[str],
-                 max_disk_layers: int = 16, guest_aslr: bool = False,
-                 catalog: TemplateCatalog | None = None) -> None:
+    def __init__(self, repo: SnapshotRepository, *, catalog: TemplateCatalog, sock_dir: Path, accel: AccelInfo,
+                 tb_size_mb: int, restore_timeout_s: float, max_memory_layers: int, faults: frozenset[str],
+                 max_disk_layers: int = 16, guest_aslr: bool = False) -> None:
         self.guest_aslr = guest_aslr
         self.catalog = catalog
         self.max_disk_layers = max_disk_layers
@@ -171,7 +159,7 @@ class Checkpointer:
         warm pool has no origin). A cold boot from the checkpoint gives them back to the agent."""
         if rec.origin is not None:
             return rec.env_vars, rec.origin.default_user, rec.origin.default_workdir
-        t = self.catalog.get(rec.template) if self.catalog and self.catalog.exists(rec.template) else None
+        t = self.catalog.get(rec.template) if self.catalog.exists(rec.template) else None
         if t is None:
             return rec.env_vars, None, None
         return {**t.env, **rec.env_vars}, t.user, t.workdir
@@ -252,7 +240,7 @@ class Checkpointer:
                 backing = self.repo.layer_path(cp.disk[-1].name) if cp.disk else base.disk
                 await create_overlay(disk_top, backing, "qcow2")
                 undo.add("disk", lambda: asyncio.to_thread(disk_top.unlink, True))  # type: ignore[union-attr]
-            boot = cp.device is None
+            boot = cp.filesystem_only
             spec = MachineSpec(
                 name=name, run_dir=run_dir, sock_dir=self.sock_dir, kernel=Path(base.kernel),
                 initramfs=Path(base.initramfs), disk=disk_top, tools=Path(base.tools), mem_path=mem_file or base.mem_file,
@@ -268,7 +256,7 @@ class Checkpointer:
             pages = 0 if mem_file or boot else await asyncio.to_thread(
                 ml.restore, machine.pid, base.mem_file, [self.repo.layer_path(r.name) for r in cp.memory])
             t3 = time.perf_counter()
-            if cp.device is not None:
+            if cp.device is not None:  # i.e. not boot (spelled so for the type checker)
                 await machine.load_state(self.repo.layer_path(cp.device.name), timeout=self.restore_timeout_s)
             log.info("restore %s: verify+disk %.1f ms, launch %.1f ms, %d pages %.1f ms, device state %.1f ms",
                      name, (t1 - t0) * 1e3, (t2 - t1) * 1e3, pages, (t3 - t2) * 1e3,

@@ -64,10 +64,9 @@ class Orchestrator:
         self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
         self.repo = SnapshotRepository(settings.repository)
         self.checkpoints = Checkpointer(
-            self.repo, sock_dir=settings.sock_dir, accel=self.accel, tb_size_mb=settings.tcg_tb_size_mb,
+            self.repo, catalog=self.catalog, sock_dir=settings.sock_dir, accel=self.accel, tb_size_mb=settings.tcg_tb_size_mb,
             restore_timeout_s=settings.restore_timeout_s, max_memory_layers=settings.max_memory_layers,
-            faults=settings.faults, max_disk_layers=settings.max_disk_layers, guest_aslr=settings.guest_aslr,
-            catalog=self.catalog)
+            faults=settings.faults, max_disk_layers=settings.max_disk_layers, guest_aslr=settings.guest_aslr)
         self._live: dict[str, LiveSandbox] = {}
         self._forking = 0  # forks in progress (their memory file is not mapped yet)
         self._tasks: list[asyncio.Task[None]] = []
