@@ -37,6 +37,8 @@ async def _qemu_img_create(path: Path, opts: list[str], size: str | None, what: 
         await run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(made), *([size] if size else [])])
         await asyncio.to_thread(shutil.copyfile, made, path)
     except ExternalCommandError as exc:
+        if "No space left" in exc.output:
+            raise DiskFull(f"no space left on {staging.parent} for {what}; free space there") from exc
         raise StorageError(f"cannot create overlay {path}: {exc.output.strip()}") from exc
     except OSError as exc:
         path.unlink(missing_ok=True)
