@@ -1,7 +1,7 @@
 """Fixtures that run the real guest agent as a subprocess on 127.0.0.1.
 
 The agent is started as in the guest (``python3 agent.py --host ... --port ... --tools DIR``, the
-tools dir holding only the spawn helper, built here) but with test-only environment variables:
+tools dir holding only the spawn library, built here) but with test-only environment variables:
 ``AENV_AGENT_RUN_DIR`` redirects the /run/e2b marker files into a temporary directory,
 ``AENV_AGENT_NO_CLOCK=1`` stops /init from setting the host clock and ``AENV_AGENT_STATE`` moves
 the file /init's state is kept in.
@@ -23,6 +23,7 @@ import pytest
 
 from agentenv.bench.node import free_port
 from agentenv.envd_client import EnvdClient
+from agentenv.images.toolsdrive import SPAWN_LIBRARY, build_spawn_library
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "agentenv" / "guest" / "agent.py"
 SPAWN_C = AGENT.parent / "spawn.c"
@@ -30,12 +31,11 @@ SPAWN_C = AGENT.parent / "spawn.c"
 
 @pytest.fixture(scope="session")
 def tools_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tools dir with the helper every command starts through (bin/aenv-spawn, built as
-    images/toolsdrive.py builds it for the tools drive)."""
+    """A tools dir with the library every command starts through (lib/libaenvspawn.so, built
+    as images/toolsdrive.py builds it for the tools drive)."""
     d = tmp_path_factory.mktemp("tools")
-    (d / "bin").mkdir()
-    subprocess.run(["gcc", "-static", "-Os", "-Wall", "-Werror", "-o", str(d / "bin" / "aenv-spawn"),
-                    str(SPAWN_C)], check=True)
+    (d / "lib").mkdir()
+    build_spawn_library(SPAWN_C, d / "lib" / SPAWN_LIBRARY)
     return d
 
 

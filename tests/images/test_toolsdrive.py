@@ -84,7 +84,7 @@ def test_agent_serves_commands_in_a_busybox_only_image(busybox_root: Path, drive
             assert time.monotonic() < deadline and agent.poll() is None, agent.stderr.read().decode()
             time.sleep(0.1)
         # What the SDKs send: /bin/bash -l -c. The image has no bash: its /bin/sh runs it, as `user`
-        # (switched by the drive's aenv-spawn).
+        # (switched by the drive's spawn library).
         res = asyncio.run(_run(url, ["/bin/bash", "-l", "-c", "id -u; echo $HOME; pwd"]))
         assert res.exit_code == 0 and res.stdout == b"1000\n/home/user\n/home/user\n", res
     finally:

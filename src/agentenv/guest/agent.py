@@ -15,10 +15,10 @@ Design notes (why it looks the way it does):
   no code with the host package.
 * One asyncio event loop serves everything. Blocking work (directory walks, disk I/O of big files)
   goes to the default thread pool, so one slow request never stalls another command's output.
-* Children are started with ``os.posix_spawn`` (a vfork+exec, no Python in the child) of the
-  tools drive's static ``aenv-spawn``, which enters PID 1's mount namespace, the working directory,
-  the user and the terminal, then execs the command; they are reaped by a single SIGCHLD handler
-  calling ``waitpid(-1)``.
+* Children are started by the tools drive's ``libaenvspawn.so`` (guest/spawn.c, called through
+  ctypes): one vfork+exec, no Python in the child, which enters PID 1's mount namespace, the
+  working directory, the user and the terminal, then execs the command. They are reaped by a
+  single SIGCHLD handler calling ``waitpid(-1)``.
   The agent is a child subreaper, so the same handler also reaps orphaned grandchildren (daemons
   started with ``&``) and zombies never pile up. asyncio's child watchers are deliberately unused:
   they would race with that handler for exit statuses.
@@ -456,7 +456,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="AgentENV guest agent (envd-compatible)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--tools", default=None, help="the tools drive's mount point (bin/aenv-spawn, ...)")
+    parser.add_argument("--tools", default=None, help="the tools drive's mount point (lib/libaenvspawn.so, ...)")
     parser.add_argument("--user-ns", default=None, help="mount namespace file to start user processes in")
     args = parser.parse_args()
     set_tools_dir(args.tools)

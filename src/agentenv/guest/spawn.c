@@ -1,99 +1,183 @@
 /*
- * aenv-spawn: how the guest agent starts a user process. Built statically onto the tools drive
- * (images/toolsdrive.py), run by the agent as the first link of a vfork+exec chain:
+ * libaenvspawn: how the guest agent starts a user process. Built as a shared library onto the
+ * tools drive (images/toolsdrive.py) and called by the agent through ctypes (agentlib/spawn.py):
  *
- *   aenv-spawn [--ns FILE] [--cwd DIR] [--user UID:GID[:G1,G2,...]] [--ctty] [--preopen] -- CMD [ARGS...]
+ *   pid_t aenv_spawn(const struct aenv_spawn_req *req)   -> child pid, or -errno
  *
- * --ns    enter the mount namespace FILE (/proc/1/ns/mnt): the agent runs in a namespace of its
- *         own where the tools drive is mounted; user processes live in PID 1's, which has only
- *         the image (plus /proc, /dev, /sys, /tmp, /run)
- * --cwd   working directory, entered after the namespace switch (setns resets it to /)
- * --user  switch to UID, GID and the supplementary groups (as root)
- * --ctty  new session with stdin (a pty) as its controlling terminal
- * --preopen  open CMD before entering the namespace and exec it by descriptor: for a static
- *         program of the tools drive (busybox sh for images with no shell at all)
+ * One vfork-style clone whose child, with no Python and no allocation in between:
+ *   - resets every signal to its default disposition (the agent ignores SIGPIPE; a command
+ *     must not inherit that) and starts a session of its own (setsid);
+ *   - makes the request's descriptors its stdin, stdout and stderr; with `ctty`, stdin (a pty)
+ *     becomes its controlling terminal;
+ *   - opens a tools-drive program (`preopen`, the fallback busybox shell) while it can still
+ *     see the tools drive, then enters PID 1's mount namespace (`ns_fd`): the agent runs in a
+ *     namespace of its own where the tools drive is mounted, user processes in PID 1's, which
+ *     has only the image (plus /proc, /dev, /sys, /tmp, /run);
+ *   - enters the working directory (after the namespace switch: setns resets it to /), takes
+ *     the user's groups, gid and uid;
+ *   - marks every other descriptor close-on-exec and execs the command, searching the
+ *     command's own PATH (not the agent's).
  *
- * Doing this in a tiny static program lets the agent start every command with posix_spawn (a
- * vfork+exec): a preexec_fn in the agent would make every command a full fork of the Python
- * process, several times slower under emulation. Descriptors other than 0-2 are closed at the
- * exec. Errors go to stderr with exit status 127, as a shell reports them.
+ * Why a library and not a helper program: the agent used to posix_spawn a small static
+ * program that did the same and then exec'd the command. Under emulation (TCG) every exec
+ * costs milliseconds, and that second exec was a fixed part of every command's round trip.
+ * Why not Python's preexec_fn: it makes every command a full fork of the agent.
+ *
+ * The child shares the agent's memory until it execs (CLONE_VM | CLONE_VFORK), so it calls
+ * only raw system calls: glibc's setuid/setgid/setgroups would broadcast the change to the
+ * agent's other threads. Failures before the exec are written to the command's stderr and
+ * the child exits with status 127, as a shell reports them.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
-#include <grp.h>
+#include <limits.h>
 #include <sched.h>
-#include <stdio.h>
-#include <stdlib.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
 #include <unistd.h>
 
-#define MAX_GROUPS 256
+#ifndef CLOSE_RANGE_CLOEXEC
+#define CLOSE_RANGE_CLOEXEC (1U << 2)
+#endif
 
-extern char **environ;
+/* Keep in step with agentlib/spawn.py (_Request). */
+struct aenv_spawn_req {
+    const char *file;          /* the command: a path, or a name looked up in `path` */
+    char *const *argv;         /* NULL-terminated */
+    char *const *envp;         /* NULL-terminated */
+    const char *path;          /* the command's PATH, for a name without '/' */
+    const char *cwd;           /* NULL: stay in / (or the agent's cwd without ns_fd) */
+    int ns_fd;                 /* mount namespace to enter, or -1 */
+    int fds[3];                /* become 0, 1, 2 */
+    int ctty;                  /* stdin is a pty: make it the controlling terminal */
+    int preopen;               /* open `file` before entering the namespace, exec it by fd */
+    int switch_user;           /* take uid, gid and groups */
+    unsigned int uid, gid;
+    int ngroups;
+    const unsigned int *groups;
+};
 
-static void die(const char *what, const char *arg) {
-    fprintf(stderr, "aenv-spawn: %s%s%s: %s\n", what, arg ? " " : "", arg ? arg : "", strerror(errno));
-    exit(127);
+#define STACK_SIZE (256 * 1024)
+
+static void say(const char *s) {
+    ssize_t n = (ssize_t)strlen(s);
+    while (n > 0) {
+        ssize_t w = write(2, s, (size_t)n);
+        if (w <= 0) return;
+        s += w;
+        n -= w;
+    }
 }
 
-static void usage(void) {
-    fprintf(stderr, "usage: aenv-spawn [--ns FILE] [--cwd DIR] [--user UID:GID[:G1,...]] [--ctty] -- CMD [ARGS...]\n");
-    exit(127);
+static void die(const char *what, const char *arg, int err) {
+    const char *desc = strerrordesc_np(err);
+    say("aenv-spawn: ");
+    say(what);
+    if (arg) { say(" "); say(arg); }
+    say(": ");
+    say(desc ? desc : "unknown error");
+    say("\n");
+    syscall(SYS_exit_group, 127);
+    for (;;) {}
 }
 
-int main(int argc, char **argv) {
-    const char *ns = NULL, *cwd = NULL, *user = NULL;
-    int ctty = 0, preopen = 0, prefd = -1, i = 1;
-    for (; i < argc; i++) {
-        if (!strcmp(argv[i], "--")) { i++; break; }
-        else if (!strcmp(argv[i], "--ns") && i + 1 < argc) ns = argv[++i];
-        else if (!strcmp(argv[i], "--cwd") && i + 1 < argc) cwd = argv[++i];
-        else if (!strcmp(argv[i], "--user") && i + 1 < argc) user = argv[++i];
-        else if (!strcmp(argv[i], "--ctty")) ctty = 1;
-        else if (!strcmp(argv[i], "--preopen")) preopen = 1;
-        else usage();
-    }
-    if (i >= argc) usage();
-    if (preopen && (prefd = open(argv[i], O_PATH | O_CLOEXEC)) < 0) die("cannot open", argv[i]);
-    if (ns) {
-        int fd = open(ns, O_RDONLY | O_CLOEXEC);
-        if (fd < 0 || setns(fd, CLONE_NEWNS) < 0) die("cannot enter the mount namespace", ns);
-        close(fd);
-    }
-    if (cwd && chdir(cwd) < 0) die("cannot enter the working directory", cwd);
-    if (ctty) {
-        if (setsid() < 0) die("setsid", NULL);
-        if (ioctl(0, TIOCSCTTY, 0) < 0) die("cannot take the terminal", NULL);
-    }
-    if (user) {
-        char *end;
-        unsigned long uid = strtoul(user, &end, 10), gid;
-        gid_t groups[MAX_GROUPS];
-        int n = 0;
-        if (*end != ':') usage();
-        gid = strtoul(end + 1, &end, 10);
-        if (*end == ':') {
-            char *p = end + 1;
-            while (*p && n < MAX_GROUPS) {
-                groups[n++] = (gid_t)strtoul(p, &end, 10);
-                if (*end != ',') break;
-                p = end + 1;
+/* execvp with the command's PATH: try each directory; a file that is not an executable
+ * format runs through /bin/sh, as execvp does. */
+static void exec_search(const struct aenv_spawn_req *r) {
+    size_t flen = strlen(r->file);
+    int saw_eacces = 0;
+    const char *p = r->path && *r->path ? r->path : "/usr/local/bin:/usr/bin:/bin";
+    char buf[PATH_MAX];
+    while (1) {
+        const char *end = strchrnul(p, ':');
+        size_t dlen = (size_t)(end - p);
+        if (dlen + 1 + flen + 1 <= sizeof buf) {
+            if (dlen) { memcpy(buf, p, dlen); buf[dlen++] = '/'; }
+            memcpy(buf + dlen, r->file, flen + 1);
+            syscall(SYS_execve, buf, r->argv, r->envp);
+            if (errno == ENOEXEC) {
+                int argc = 0;
+                while (r->argv[argc]) argc++;
+                char *sh_argv[argc + 2];
+                sh_argv[0] = (char *)"/bin/sh";
+                sh_argv[1] = buf;
+                for (int i = 1; i <= argc; i++) sh_argv[i + 1] = r->argv[i];
+                syscall(SYS_execve, "/bin/sh", sh_argv, r->envp);
+                die("cannot run", r->file, ENOEXEC);
             }
+            if (errno == EACCES) saw_eacces = 1;
+            else if (errno != ENOENT && errno != ENOTDIR && errno != ESTALE && errno != ENODEV && errno != ETIMEDOUT)
+                die("cannot run", r->file, errno);
         }
-        if (setgroups(n, groups) < 0) die("setgroups", NULL);
-        if (setgid((gid_t)gid) < 0) die("setgid", NULL);
-        if (setuid((uid_t)uid) < 0) die("setuid", NULL);
+        if (!*end) break;
+        p = end + 1;
     }
-    /* The agent spawns with posix_spawn, which closes only close-on-exec descriptors: mark
-     * every other one (>= 3) so none leaks into the command. Best effort on old kernels. */
-    close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
+    die("cannot run", r->file, saw_eacces ? EACCES : ENOENT);
+}
+
+static int child(void *arg) {
+    const struct aenv_spawn_req *r = arg;
+    struct { void *handler; unsigned long flags; void *restorer; unsigned long mask; } dfl = {0}; /* the kernel's layout; SIG_DFL is 0 */
+    for (int s = 1; s < NSIG; s++)
+        syscall(SYS_rt_sigaction, s, &dfl, NULL, sizeof(unsigned long)); /* EINVAL for KILL/STOP: fine */
+    if (syscall(SYS_setsid) < 0) die("setsid", NULL, errno);
+    for (int i = 0; i < 3; i++) {
+        if (r->fds[i] == i) {
+            int fl = (int)syscall(SYS_fcntl, i, F_GETFD);
+            if (fl >= 0) syscall(SYS_fcntl, i, F_SETFD, fl & ~FD_CLOEXEC);
+        } else if (syscall(SYS_dup2, r->fds[i], i) < 0) {
+            die("cannot set up the standard descriptors", NULL, errno);
+        }
+    }
+    int prefd = -1;
+    if (r->preopen && (prefd = (int)syscall(SYS_open, r->file, O_PATH | O_CLOEXEC)) < 0)
+        die("cannot open", r->file, errno);
+    if (r->ns_fd >= 0 && syscall(SYS_setns, r->ns_fd, CLONE_NEWNS) < 0)
+        die("cannot enter the mount namespace of PID 1", NULL, errno);
+    if (r->cwd && syscall(SYS_chdir, r->cwd) < 0) die("cannot enter the working directory", r->cwd, errno);
+    if (r->ctty && syscall(SYS_ioctl, 0, TIOCSCTTY, 0) < 0) die("cannot take the terminal", NULL, errno);
+    if (r->switch_user) {
+        if (syscall(SYS_setgroups, r->ngroups, r->groups) < 0) die("setgroups", NULL, errno);
+        if (syscall(SYS_setgid, r->gid) < 0) die("setgid", NULL, errno);
+        if (syscall(SYS_setuid, r->uid) < 0) die("setuid", NULL, errno);
+    }
+    syscall(SYS_close_range, 3U, ~0U, CLOSE_RANGE_CLOEXEC); /* best effort on old kernels */
+    unsigned long none = 0;
+    syscall(SYS_rt_sigprocmask, SIG_SETMASK, &none, NULL, sizeof none);
     if (prefd >= 0) {
-        fexecve(prefd, argv + i, environ);
-        die("cannot run", argv[i]);
+        syscall(SYS_execveat, prefd, "", r->argv, r->envp, AT_EMPTY_PATH);
+        die("cannot run", r->file, errno);
     }
-    execvp(argv[i], argv + i);
-    die("cannot run", argv[i]);
+    if (strchr(r->file, '/')) {
+        syscall(SYS_execve, r->file, r->argv, r->envp);
+        die("cannot run", r->file, errno);
+    }
+    exec_search(r);
     return 127;
+}
+
+pid_t aenv_spawn(const struct aenv_spawn_req *req) {
+    /* All signals blocked across the clone: a handler of the agent must never run on the
+     * child's stack with the agent's memory. The child unblocks them right before its exec. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    char *stack = mmap(NULL, STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    pid_t pid;
+    int err = 0;
+    if (stack == MAP_FAILED) {
+        pid = -1;
+        err = errno;
+    } else {
+        pid = clone(child, stack + STACK_SIZE, CLONE_VM | CLONE_VFORK | SIGCHLD, (void *)req);
+        err = errno;
+        munmap(stack, STACK_SIZE);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return pid < 0 ? -err : pid;
 }

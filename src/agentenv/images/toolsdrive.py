@@ -7,8 +7,8 @@ The drive is mounted at ``/run/agentenv`` (``MOUNT``) in every guest and holds:
     init                 PID 1 after the initramfs: guest network, mounts, the agent's namespace
     agent-loop           runs the agent, again when it dies
     bin/busybox          static busybox for ``init`` (the image may have no shell at all)
-    bin/aenv-spawn       static helper that starts user processes (guest/spawn.c, built here)
-    lib/                 glibc's loader and every shared library the binaries need
+    lib/                 glibc's loader and every shared library the binaries need, and
+                         libaenvspawn.so, which starts user processes (guest/spawn.c, built here)
     python/              CPython 3.11 (binary + standard library, byte-compiled) that runs the agent
     agent/               the guest agent (``agent.py`` + ``agentlib/``, byte-compiled)
     VERSION              the drive's version: the hash of all of the above
@@ -33,7 +33,7 @@ from agentenv.images.artifacts import inputs_hash, remove_images_except
 from agentenv.proc import run_sync
 
 MOUNT = "/run/agentenv"
-_RECIPE = "2"  # bump when the way the drive is built changes (2: byte-compiled Python)
+_RECIPE = "3"  # bump when the way the drive is built changes (2: byte-compiled Python, 3: spawn library)
 PYTHON_VERSION = "3.11"
 _ARCH_LIBDIR = "usr/lib/x86_64-linux-gnu"
 _LOADER = "ld-linux-x86-64.so.2"
@@ -115,10 +115,18 @@ def _assemble(tree: Path, debian: Path, busybox: Path, files: dict[str, bytes], 
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
         p.chmod(0o755 if rel in ("init", "agent-loop") else 0o644)
-    run_sync(["gcc", "-static", "-Os", "-s", "-Wall", "-Werror", "-o", str(tree / "bin" / "aenv-spawn"),
-              str(tree / "src" / "spawn.c")])
+    build_spawn_library(tree / "src" / "spawn.c", tree / "lib" / SPAWN_LIBRARY)
     _byte_compile(tree)
     (tree / "VERSION").write_text(version + "\n")
+
+
+SPAWN_LIBRARY = "libaenvspawn.so"
+
+
+def build_spawn_library(source: Path, out: Path) -> None:
+    """Compile guest/spawn.c into the shared library the agent starts every process with. It
+    links against the drive's own glibc (the same Debian release as the build host's)."""
+    run_sync(["gcc", "-shared", "-fPIC", "-O2", "-s", "-Wall", "-Werror", "-o", str(out), str(source)])
 
 
 def _byte_compile(tree: Path) -> None:

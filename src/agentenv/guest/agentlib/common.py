@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any, Callable, NamedTuple
 
+from .spawn import LIBRARY, Spawner
+
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 OUTPUT_CHUNK = 32 * 1024        # max payload of one process data event (envd uses 32 KiB)
 FILE_CHUNK = 1024 * 1024        # unit of disk and socket I/O for /files
@@ -107,38 +109,36 @@ async def blocking(fn: Callable, *args: Any) -> Any:
 
 
 _tools_dir: str | None = None  # the tools drive (``--tools``), None when run outside a sandbox
-_tool_cache: dict[str, str | None] = {}
+_user_ns: str | None = None  # the mount namespace user processes start in (``--user-ns``)
+_spawner: Spawner | None = None
 
 
 def set_tools_dir(path: str | None) -> None:
-    global _tools_dir
-    _tools_dir = path
-    _tool_cache.clear()
-
-
-def tool(name: str) -> str | None:
-    """A helper program the agent runs (aenv-spawn, a fallback shell): from the tools
-    drive when there is one, so it works whatever the image has, else from the usual PATH."""
-    if name not in _tool_cache:
-        found = None
-        if _tools_dir and os.access(os.path.join(_tools_dir, "bin", name), os.X_OK):
-            found = os.path.join(_tools_dir, "bin", name)
-        _tool_cache[name] = found or shutil.which(name, path=DEFAULT_PATH)
-    return _tool_cache[name]
-
-
-_user_ns: str | None = None
+    global _tools_dir, _spawner
+    _tools_dir, _spawner = path, None
 
 
 def set_user_namespace(path: str | None) -> None:
-    global _user_ns
-    _user_ns = path
+    """The guest init passes PID 1's: the agent's own namespace has the tools drive, that one
+    does not. None: user processes start in the agent's own."""
+    global _user_ns, _spawner
+    _user_ns, _spawner = path, None
 
 
-def user_namespace() -> str | None:
-    """The mount namespace user processes start in (``--user-ns``, the guest init passes PID 1's:
-    the agent's own has the tools drive, that one does not), or None: the agent's own."""
-    return _user_ns
+def spawner() -> Spawner:
+    """What starts user processes: the tools drive's ``lib/libaenvspawn.so``, loaded on first use."""
+    global _spawner
+    if _spawner is None:
+        lib = os.path.join(_tools_dir or "", "lib", LIBRARY)
+        if not _tools_dir or not os.path.exists(lib):
+            raise ConnectError("internal", f"{LIBRARY} is missing from the tools drive")
+        _spawner = Spawner(lib, _user_ns)
+    return _spawner
+
+
+def is_tool(path: str) -> bool:
+    """Whether ``path`` is a program of the tools drive (which user processes cannot see)."""
+    return bool(_tools_dir) and path.startswith(os.path.join(_tools_dir or "", ""))
 
 
 def fallback_shell(cmd: str, path: str) -> str | None:

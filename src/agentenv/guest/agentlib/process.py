@@ -1,8 +1,8 @@
 """The ``process.Process`` service: spawning, output fan-out, reaping, stdin, signals.
 
-Children are started with ``os.posix_spawn`` through the tools drive's ``aenv-spawn`` (namespace,
-cwd, user, terminal) and reaped by a single SIGCHLD handler calling ``waitpid(-1)``; the agent is
-a child subreaper, so the same handler also reaps orphaned grandchildren. A process's output is
+Children are started by the tools drive's spawn library (agentlib/spawn.py: namespace, cwd,
+user, terminal, one vfork+exec) and reaped by a single SIGCHLD handler calling ``waitpid(-1)``;
+the agent is a child subreaper, so the same handler also reaps orphaned grandchildren. A process's output is
 fanned out to its subscribers (the Start stream, later Connect streams) through bounded queues: a
 slow client back-pressures the process instead of growing memory, and a client that goes away
 merely unsubscribes -- the process keeps running.
@@ -33,9 +33,9 @@ from .common import (
     ConnectError,
     b64decode,
     fallback_shell,
+    is_tool,
     log,
-    tool,
-    user_namespace,
+    spawner,
 )
 from .fsutil import chown_to
 
@@ -377,34 +377,20 @@ class ProcessManager:
         switch = (user.uid, user.gid, set(user.groups)) != (os.geteuid(), os.getegid(), set(os.getgroups()))
         if switch and os.geteuid() != 0:
             raise ConnectError("permission_denied", "the agent is not root and cannot switch users")
-        # The tools drive's static helper enters PID 1's mount namespace (the image without the
-        # tools drive), the working directory, the user and the terminal, then execs the
-        # command; the agent only posix_spawns it (see guest/spawn.c).
-        spawner = tool("aenv-spawn")
-        if spawner is None:
-            raise ConnectError("internal", "aenv-spawn is missing from the tools drive")
         if "/" not in cmd and shutil.which(cmd, path=env["PATH"]) is None:
             raise ConnectError("internal", f"error starting process '{cmd}': no such executable")
-        argv = [spawner]
-        if (ns := user_namespace()) is not None:
-            argv += ["--ns", ns]
-        argv += ["--cwd", cwd]
-        if switch:
-            argv += ["--user", f"{user.uid}:{user.gid}:{','.join(str(g) for g in user.groups)}"]
         pty_size = None
         if isinstance(pty_cfg, dict):
             size = pty_cfg.get("size") or {}
             pty_size = (size.get("cols", 80), size.get("rows", 24))
-            argv.append("--ctty")  # a session of its own, with the pty as controlling terminal
-        if cmd.startswith(os.path.dirname(spawner) + "/"):
-            argv.append("--preopen")  # a tools-drive program (fallback shell): not in the user's view
-        argv += ["--", cmd, *args]
         stdio = Stdio(pty_size, msg.get("stdin") is not False, user)
         try:
-            # glibc's posix_spawn is a vfork+exec with no Python in between: the cheapest way
-            # to start a process, which matters most under emulation.
-            pid = os.posix_spawn(spawner, argv, env, file_actions=stdio.file_actions(),
-                                 setsid=pty_size is None, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+            # One vfork+exec with no Python in between (guest/spawn.c): it enters PID 1's mount
+            # namespace (the image without the tools drive), the cwd, the user and the terminal.
+            pid = spawner().spawn(
+                cmd, args, env, cwd=cwd, stdio=stdio.child, ctty=pty_size is not None,
+                user=(user.uid, user.gid, user.groups) if switch else None,
+                preopen=is_tool(cmd))  # a tools-drive program (fallback shell): not in the user's view
         except OSError as exc:
             stdio.close_all()
             raise ConnectError("internal", f"error starting process '{cmd}': {exc}") from None
