@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentenv.vmm.accel import AccelInfo
+from agentenv.vmm.kernel_stub import restore_stub
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,9 @@ def build_argv(spec: MachineSpec) -> list[str]:
         "-m", f"{spec.memory_mb}M",
         "-smp", str(spec.vcpus),
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-        "-kernel", str(spec.kernel),
-        "-initrd", str(spec.initramfs),
+        # A restored machine never boots: a stub kernel and no initramfs (kernel_stub.py).
+        *(["-kernel", str(restore_stub(spec.kernel))] if spec.incoming else
+          ["-kernel", str(spec.kernel), "-initrd", str(spec.initramfs)]),
         "-append", append,
         "-serial", f"file:{spec.console_log}",
         "-object", f"memory-backend-file,id=mem,size={spec.memory_mb}M,mem-path={spec.mem_path},share={share}",
