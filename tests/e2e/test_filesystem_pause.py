@@ -38,7 +38,7 @@ def test_filesystem_only_pause_keeps_the_files_and_resume_boots_the_disk(api: ht
         assert r.status_code == 204, r.text
         info = api.get(f"/sandboxes/{sid}").json()
         assert (info["state"], info["pauseMode"]) == ("paused", "filesystem")
-        assert host.qemu_pids(sid) == set()
+        assert host.qemu_gone(sid)
 
         r = api.post(f"/sandboxes/{sid}/connect", json={"timeout": 600})
         assert r.status_code == 201, r.text

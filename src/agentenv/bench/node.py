@@ -21,7 +21,7 @@ import httpx
 from agentenv.config import Settings
 from agentenv.images import artifacts_present
 from agentenv.orchestrator import State
-from agentenv.vmm import find_qemu_pids
+from agentenv.vmm import find_qemu_pids, kill_pid
 
 CACHE = Path(os.environ.get("AENV_CACHE_DIR", "/var/lib/agentenv/cache"))
 
@@ -93,13 +93,26 @@ class LocalNode:
 
     def kill_all(self) -> None:
         """Teardown: kill every sandbox through the API, stop the server, and remove the
-        node's host-wide leftovers (memory files on tmpfs, nft table, socket dir)."""
+        node's host-wide leftovers (memory files on tmpfs, nft table, socket dir).
+
+        A sandbox whose create was still in flight when the list was taken is not killed
+        through the API, and a stopped server leaves running sandboxes for its next start by
+        design: whatever QEMU or namespace of this node is left after the stop is removed here."""
         if self.proc is not None:
             with self.client() as c:
                 for sb in all_sandboxes(c):
                     c.delete(f"/sandboxes/{sb['sandboxID']}")
             self.stop()
         settings = Settings(data_dir=self.data_dir)
+        for pid in qemu_pids(str(self.data_dir)):
+            kill_pid(pid)
+        deadline = time.monotonic() + 10
+        while qemu_pids(str(self.data_dir)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        for name in (line.split()[0] for line in out.splitlines() if line.strip()):
+            if name.startswith(f"aenv-{settings.instance_tag[:4]}-"):
+                subprocess.run(["ip", "netns", "delete", name], capture_output=True)
         shutil.rmtree(settings.mem_dir, ignore_errors=True)
         shutil.rmtree(settings.sock_dir, ignore_errors=True)
         subprocess.run(["nft", "delete", "table", "inet", f"aenv_{settings.instance_tag[:4]}"],
