@@ -7,6 +7,8 @@ class is found by walking the exception's MRO through ``STATUS``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +19,15 @@ from agentenv import errors as e
 from agentenv.envd_client import EnvdError
 
 log = logging.getLogger(__name__)
+
+
+def invalid_request_message(errors: Sequence[Any]) -> str:
+    """One line naming each field that failed validation and why (pydantic's own words)."""
+    parts = []
+    for err in errors:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(parts)
 
 STATUS: dict[type[BaseException], int] = {
     e.InvalidRequest: 400,
@@ -69,11 +80,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {err.get('msg')}")
-        return error_response(400, "invalid request: " + "; ".join(parts))
+        return error_response(400, invalid_request_message(exc.errors()))
 
     @app.exception_handler(HTTPException)
     async def _http(_req: Request, exc: HTTPException) -> JSONResponse:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from agentenv.api.errors import status_of
 from agentenv.api.models import Sandbox
-from agentenv.api.routes import orch_of
-from agentenv.errors import AgentenvError, InvalidRequest
+from agentenv.api.routes import optional_body, orch_of
+from agentenv.errors import AgentenvError
 from agentenv.storage import Checkpoint
 
 router = APIRouter()
@@ -58,32 +58,22 @@ class ForkRequest(BaseModel):
     timeout: int | None = None
 
 
-async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """These routes accept an empty body (older SDKs send none)."""
-    raw = await request.body()
-    try:
-        return model.model_validate_json(raw) if raw.strip() else model()
-    except ValidationError as exc:
-        parts = [f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()]
-        raise InvalidRequest("invalid request: " + "; ".join(parts)) from None
-
-
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204, response_class=Response)
 async def pause(sandbox_id: str, request: Request) -> Response:
     """``memory: false``: filesystem-only (the guest flushes its filesystems; resume boots the
     disk). ``requireHealthyGuest``: 503 and nothing changed when the guest agent does not answer."""
-    body = await _body(request, PauseRequest)
-    await orch_of(request).pause(sandbox_id, memory=body.memory is not False,  # type: ignore[attr-defined]
-                                 require_healthy=bool(body.requireHealthyGuest))  # type: ignore[attr-defined]
+    body = await optional_body(request, PauseRequest)
+    await orch_of(request).pause(sandbox_id, memory=body.memory is not False,
+                                 require_healthy=bool(body.requireHealthyGuest))
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/resume", status_code=201, response_model=Sandbox,
              response_model_exclude_none=True)
 async def resume(sandbox_id: str, request: Request) -> Sandbox:
-    body = await _body(request, ResumeRequest)
-    rec = await orch_of(request).resume(sandbox_id, body.timeout,  # type: ignore[attr-defined]
-                                        memory=body.memory is not False)  # type: ignore[attr-defined]
+    body = await optional_body(request, ResumeRequest)
+    rec = await orch_of(request).resume(sandbox_id, body.timeout,
+                                        memory=body.memory is not False)
     return Sandbox.of(rec, orch_of(request).settings.domain)
 
 
@@ -91,9 +81,9 @@ async def resume(sandbox_id: str, request: Request) -> Sandbox:
 @router.post("/v2/sandboxes/{sandbox_id}/connect", response_model=Sandbox, response_model_exclude_none=True)
 async def connect(sandbox_id: str, request: Request, response: Response) -> Sandbox:
     """200 when it was running (timeout only extended), 201 when it was paused and resumed."""
-    body = await _body(request, ResumeRequest)
-    rec, resumed = await orch_of(request).connect(sandbox_id, body.timeout,  # type: ignore[attr-defined]
-                                                  memory=body.memory is not False)  # type: ignore[attr-defined]
+    body = await optional_body(request, ResumeRequest)
+    rec, resumed = await orch_of(request).connect(sandbox_id, body.timeout,
+                                                  memory=body.memory is not False)
     response.status_code = 201 if resumed else 200
     return Sandbox.of(rec, orch_of(request).settings.domain)
 
@@ -101,9 +91,9 @@ async def connect(sandbox_id: str, request: Request, response: Response) -> Sand
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=SnapshotInfo,
              response_model_exclude_none=True)
 async def create_snapshot(sandbox_id: str, request: Request) -> SnapshotInfo:
-    body = await _body(request, SnapshotRequest)
-    cp = await orch_of(request).snapshot(sandbox_id, body.name,  # type: ignore[attr-defined]
-                                         memory=body.memory is not False)  # type: ignore[attr-defined]
+    body = await optional_body(request, SnapshotRequest)
+    cp = await orch_of(request).snapshot(sandbox_id, body.name,
+                                         memory=body.memory is not False)
     return SnapshotInfo.of(cp)
 
 
@@ -121,8 +111,8 @@ async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
 async def fork(sandbox_id: str, request: Request) -> JSONResponse:
     """201 with one item per child: ``{"sandbox": …}`` or ``{"error": {code, message}}``."""
-    body = await _body(request, ForkRequest)
-    results = await orch_of(request).fork(sandbox_id, body.count, body.timeout)  # type: ignore[attr-defined]
+    body = await optional_body(request, ForkRequest)
+    results = await orch_of(request).fork(sandbox_id, body.count, body.timeout)
     items: list[dict[str, object]] = []
     for r in results:
         if isinstance(r, Exception):

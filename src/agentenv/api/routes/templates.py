@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from agentenv.api.models import TemplateInfo, rfc3339
-from agentenv.api.routes import orch_of
+from agentenv.api.routes import optional_body, orch_of
 from agentenv.errors import InvalidRequest, NotFound, RequestError
 from agentenv.orchestrator import Orchestrator
 from agentenv.orchestrator.builds import BuildRecord, LogEntry, TemplateEntry
@@ -169,21 +168,12 @@ async def template_tags(template_id: str, request: Request) -> list[TemplateTag]
 
 # -- builds ---------------------------------------------------------------------------------
 
-async def _json(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        return model.model_validate_json(raw) if raw.strip() else model()
-    except ValidationError as exc:
-        parts = [f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()]
-        raise InvalidRequest("invalid request: " + "; ".join(parts)) from None
-
-
 @router.post("/v3/templates", status_code=202, response_model=TemplateRequestResponse)
 @router.post("/v2/templates", status_code=202, response_model=TemplateRequestResponse)
 @router.post("/templates", status_code=202, response_model=TemplateRequestResponse)
 async def request_build(request: Request) -> TemplateRequestResponse:
     """A new build of template ``name`` (``name:tag`` adds a tag); started by the POST below."""
-    body: TemplateBuildRequest = await _json(request, TemplateBuildRequest)
+    body: TemplateBuildRequest = await optional_body(request, TemplateBuildRequest)
     name = body.name or body.alias
     if not name:
         raise InvalidRequest("name is required")
