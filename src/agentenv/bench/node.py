@@ -7,6 +7,7 @@ SIGKILL to exercise restart and re-adoption.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -14,12 +15,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 
 from agentenv.config import Settings
 from agentenv.images import artifacts_present
+from agentenv.network import SlotPool, host_firewall_down, host_firewall_up
 from agentenv.orchestrator import State
 from agentenv.vmm import find_qemu_pids, kill_pid
 
@@ -35,6 +38,23 @@ def free_port() -> int:
 def require_images(cache: Path) -> None:
     if artifacts_present(cache) is None:
         raise RuntimeError(f"no provisioned guest images in {cache}: run `aenv setup` (or scripts/install) first")
+
+
+@contextlib.asynccontextmanager
+async def scratch_host(data_dir: Path, slot_cidr: str) -> AsyncIterator[tuple[Settings, SlotPool]]:
+    """The host side of a measurement that runs machines without a server (cold boot, plain
+    QEMU migration): its own instance tag, slots on ``slot_cidr`` and firewall table, and its
+    memory and QMP socket folders, all removed afterwards (they are on tmpfs: /dev/shm, /run)."""
+    settings = Settings(data_dir=data_dir)
+    slots = SlotPool(settings.instance_tag, slot_cidr, 0)
+    await host_firewall_up(settings.instance_tag, slots.ifprefix, slot_cidr)
+    settings.mem_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        yield settings, slots
+    finally:
+        await host_firewall_down(settings.instance_tag)
+        shutil.rmtree(settings.mem_dir, ignore_errors=True)
+        shutil.rmtree(settings.sock_dir, ignore_errors=True)
 
 
 class LocalNode:

@@ -15,11 +15,9 @@ from pathlib import Path
 
 import httpx
 
-from agentenv.bench.node import LocalNode, pss_kb, qemu_pids
+from agentenv.bench.node import LocalNode, pss_kb, qemu_pids, scratch_host
 from agentenv.bench.stats import wait_pool
-from agentenv.config import Settings
 from agentenv.envd_client import EnvdClient
-from agentenv.network import SlotPool, host_firewall_down, host_firewall_up
 from agentenv.orchestrator.templates import guest_link_spec
 from agentenv.storage import TemplateSnapshot, create_overlay, remove_tree
 from agentenv.vmm import Machine, MachineSpec, detect_accel
@@ -153,12 +151,8 @@ async def _migrate_baseline(template_dir: Path, tmp: Path, runs: int, accel_sett
     snap = TemplateSnapshot.load(template_dir)
     assert snap is not None, f"no template snapshot in {template_dir}"
     accel = detect_accel(accel_setting)
-    settings = Settings(data_dir=tmp / "migrate")
-    slots = SlotPool(settings.instance_tag, MIGRATE_CIDR, 0)
-    await host_firewall_up(settings.instance_tag, slots.ifprefix, MIGRATE_CIDR)
-    settings.mem_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, list[float]] = {}
-    try:
+    async with scratch_host(tmp / "migrate", MIGRATE_CIDR) as (settings, slots):
         for mib in (20, 200):
             saves, loads = [], []
             for i in range(runs):
@@ -204,8 +198,6 @@ async def _migrate_baseline(template_dir: Path, tmp: Path, runs: int, accel_sett
                     await remove_tree(d)
             out[f"migrate_save_{mib}mib_ms"] = saves
             out[f"migrate_load_{mib}mib_ms"] = loads
-    finally:
-        await host_firewall_down(settings.instance_tag)
     return out
 
 

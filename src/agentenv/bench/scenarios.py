@@ -26,7 +26,7 @@ from agentenv.bench.e2b_sdk import (
     bench_e2b_tti,
 )
 from agentenv.bench.images import bench_pull, bench_template_build, make_pull_image
-from agentenv.bench.node import CACHE, LocalNode, pss_kb, qemu_pids
+from agentenv.bench.node import CACHE, LocalNode, pss_kb, qemu_pids, scratch_host
 from agentenv.bench.registry import LocalRegistry
 from agentenv.bench.saved_states import (
     MIGRATE_CIDR,
@@ -40,9 +40,6 @@ from agentenv.config import Settings
 from agentenv.envd_client import EnvdClient
 from agentenv.images import artifacts_present
 from agentenv.network import (
-    SlotPool,
-    host_firewall_down,
-    host_firewall_up,
     remove_slots_in,
 )
 from agentenv.orchestrator.templates import guest_link_spec
@@ -66,11 +63,8 @@ async def _cold_boots(runs: int, tmp: Path, cache: Path, accel_setting: str) -> 
     arts = artifacts_present(cache)
     assert arts is not None, f"no provisioned images in {cache}; run `aenv setup`"
     accel = detect_accel(accel_setting)
-    settings = Settings(data_dir=tmp / "cold")
-    slots = SlotPool(settings.instance_tag, COLD_CIDR, 0)
-    await host_firewall_up(settings.instance_tag, slots.ifprefix, COLD_CIDR)
     out: dict[str, list[float]] = {"cold_boot_ms": [], "template_snapshot_ms": [], "create_coldboot_ms": []}
-    try:
+    async with scratch_host(tmp / "cold", COLD_CIDR) as (settings, slots):
         for i in range(runs):
             d = tmp / f"cold{i}"
             t_create = time.perf_counter()
@@ -80,7 +74,6 @@ async def _cold_boots(runs: int, tmp: Path, cache: Path, accel_setting: str) -> 
                                initramfs=arts.initramfs, disk=d / "disk.qcow2", tools=arts.tools,
                                mem_path=settings.mem_dir / f"cold{i}.mem", memory_mb=512, vcpus=1,
                                accel=accel, mem_share=True, netns=slot.netns, **guest_link_spec())
-            settings.mem_dir.mkdir(parents=True, exist_ok=True)
             t_boot = time.perf_counter()
             m = await Machine.launch(spec)
             try:
@@ -97,8 +90,6 @@ async def _cold_boots(runs: int, tmp: Path, cache: Path, accel_setting: str) -> 
                 await slots.release(slot)
                 spec.mem_path.unlink(missing_ok=True)
                 await remove_tree(d)
-    finally:
-        await host_firewall_down(settings.instance_tag)
     return out
 
 
