@@ -152,17 +152,27 @@ def bench_exec(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[
         api.delete(f"/sandboxes/{sid}")
 
 
-def _guest_ram_pss_kb(pid: int) -> int:
-    """PSS of the guest-RAM mapping alone (the template's memory file): what the guest itself
-    costs, without QEMU's own heap and, under TCG, its translation cache."""
-    total, in_ram = 0, False
+def _pss_parts_kb(pid: int) -> tuple[int, int]:
+    """PSS of the guest-RAM mapping (the template's memory file: what the guest itself costs)
+    and of TCG's translation cache (QEMU's one anonymous read-write-execute mapping; none
+    under KVM). The rest of a sandbox's PSS is QEMU's own heap, binary and libraries."""
+    ram = tcg = 0
+    part = ""
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split()
         if head and "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
-            in_ram = len(head) >= 6 and head[5].endswith(".mem")
-        elif in_ram and line.startswith("Pss:"):
-            total += int(head[1])
-    return total
+            if len(head) >= 6 and head[5].endswith(".mem"):
+                part = "ram"
+            elif len(head) == 5 and head[1] == "rwxp":
+                part = "tcg"
+            else:
+                part = ""
+        elif part and line.startswith("Pss:"):
+            if part == "ram":
+                ram += int(head[1])
+            else:
+                tcg += int(head[1])
+    return ram, tcg
 
 
 def bench_idle_pss(node: LocalNode, api: httpx.Client, runs: int, count: int = 8) -> dict[str, list[float]]:
@@ -170,6 +180,7 @@ def bench_idle_pss(node: LocalNode, api: httpx.Client, runs: int, count: int = 8
     the PSS of each QEMU process (shared template pages are split between them)."""
     samples: list[float] = []
     guest: list[float] = []
+    tcg: list[float] = []
     for _ in range(max(1, runs // 5)):
         _wait_pool(node, api)
         ids = [_create(api)[0] for _ in range(count)]
@@ -179,11 +190,13 @@ def bench_idle_pss(node: LocalNode, api: httpx.Client, runs: int, count: int = 8
             for sid in ids:
                 (pid,) = qemu_pids(sid)
                 samples.append(pss_kb(pid) / 1024)
-                guest.append(_guest_ram_pss_kb(pid) / 1024)
+                ram_kb, tcg_kb = _pss_parts_kb(pid)
+                guest.append(ram_kb / 1024)
+                tcg.append(tcg_kb / 1024)
         finally:
             for sid in ids:
                 api.delete(f"/sandboxes/{sid}")
-    return {"idle_pss_mb": samples, "idle_guest_ram_pss_mb": guest}
+    return {"idle_pss_mb": samples, "idle_guest_ram_pss_mb": guest, "idle_tcg_cache_pss_mb": tcg}
 
 
 Scenario = Callable[..., dict[str, list[float]]]  # (node, api, runs[, image]) → samples
@@ -196,6 +209,7 @@ SCENARIOS: dict[str, Scenario] = {
     "guest_true_ms": bench_exec,
     "idle_pss_mb": bench_idle_pss,
     "idle_guest_ram_pss_mb": bench_idle_pss,
+    "idle_tcg_cache_pss_mb": bench_idle_pss,
     **{f"{op}_{mib}mib_ms": bench_pause_resume for op in ("pause", "resume") for mib in (20, 200)},
     "snapshot_1gib_disk_ms": bench_snapshot_disk,
     "snapshot_idle_ms": bench_snapshot_disk,
