@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
-from agentenv.bench.node import qemu_pids
+from agentenv.bench.node import qemu_gone, qemu_pids
 
 __all__ = ["qemu_pids", "qemu_gone", "netns_names", "node_netns", "sandbox_dirs"]
-
-
-def qemu_gone(marker: str, timeout: float = 10.0) -> bool:
-    """Whether every QEMU matching ``marker`` is gone within ``timeout``: a pause answers once
-    the VM is stopped and its state saved, and frees the stopped process right after."""
-    deadline = time.monotonic() + timeout
-    while qemu_pids(marker):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def netns_names() -> set[str]:

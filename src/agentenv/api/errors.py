@@ -29,6 +29,7 @@ def invalid_request_message(errors: Sequence[Any]) -> str:
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
     return "invalid request: " + "; ".join(parts)
 
+
 STATUS: dict[type[BaseException], int] = {
     e.InvalidRequest: 400,
     e.NotFound: 404,

@@ -126,9 +126,7 @@ class LocalNode:
         settings = Settings(data_dir=self.data_dir)
         for pid in qemu_pids(str(self.data_dir)):
             kill_pid(pid)
-        deadline = time.monotonic() + 10
-        while qemu_pids(str(self.data_dir)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        qemu_gone(str(self.data_dir))
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         for name in (line.split()[0] for line in out.splitlines() if line.strip()):
             if name.startswith(f"aenv-{settings.instance_tag[:4]}-"):
@@ -149,6 +147,17 @@ def all_sandboxes(api: httpx.Client) -> list[dict]:
 def qemu_pids(marker: str) -> set[int]:
     """Pids of QEMU processes whose command line contains ``marker`` (a data dir or an id)."""
     return set(find_qemu_pids(marker))
+
+
+def qemu_gone(marker: str, timeout: float = 10.0) -> bool:
+    """Whether every QEMU matching ``marker`` has exited within ``timeout`` (a killed process,
+    or one a pause frees in the background after its answer)."""
+    deadline = time.monotonic() + timeout
+    while qemu_pids(marker):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def pss_kb(pid: int) -> int:
