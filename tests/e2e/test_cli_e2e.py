@@ -154,8 +154,12 @@ def test_cli_connect_resumes_a_paused_sandbox(server: ServerProcess, api: httpx.
         term.expect(f"connected to sandbox {sandbox}", timeout=120)
         prompt = term.expect(r"[$#] $").end()
         term.type("cat /home/user/marker\r")
-        term.expect(r"[\r\n]kept\r\n", since=prompt)
-        term.type("\x04")  # Ctrl-D at the prompt: the shell ends with the last status
+        kept = term.expect(r"[\r\n]kept\r\n", since=prompt).end()
+        # Ctrl-D at the next prompt: the shell ends with the last status. Typed before that
+        # prompt, it would reach the PTY while its line discipline is still canonical (as for
+        # any terminal), where it is an end-of-file for `cat`, not a key for bash's readline.
+        term.expect(r"[$#] $", since=kept)
+        term.type("\x04")
         assert term.proc.wait(timeout=60) == 0
     finally:
         term.close()
