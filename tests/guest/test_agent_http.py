@@ -232,6 +232,65 @@ async def test_unknown_pid_or_tag_is_not_found(http: httpx.AsyncClient) -> None:
         assert frames == [(2, {"error": {"code": "not_found", "message": frames[0][1]["error"]["message"]}})]
 
 
+async def test_finished_processes_are_found_by_pid_or_tag(http: httpx.AsyncClient, client: EnvdClient) -> None:
+    """Process.Connect to a command that already ended replays its end, however it is named:
+    the pid as a number or a string, or its tag, among many other finished commands."""
+    pids = []
+    for i in range(30):
+        events = [ev async for ev in client.stream(["sh", "-c", f"exit {i % 5}"], tag=f"job-{i}")]
+        pids.append(events[0].pid)
+    for i in (0, 17, 29):
+        for selector in ({"pid": pids[i]}, {"pid": str(pids[i])}, {"tag": f"job-{i}"}):
+            resp = await http.post("/process.Process/Connect", content=envelope({"process": selector}),
+                                   headers=CONNECT_JSON)
+            frames = parse_envelopes(resp.content)
+            assert frames[0] == (0, {"event": {"start": {"pid": pids[i]}}}), (selector, frames)
+            end = frames[1][1]["event"]["end"]
+            assert end.get("exitCode", 0) == i % 5 and end["exited"], (selector, frames)
+
+
+async def test_a_command_not_on_path_fails_to_start(client: EnvdClient, tmp_path: Path) -> None:
+    """A command name that is not on PATH fails the Start call (as envd's does), also when an
+    earlier command of that name ran and its file is gone since; one added later runs."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    envs = {"PATH": f"{bindir}:/usr/bin:/bin"}
+    with pytest.raises(EnvdError, match="no such executable"):
+        await client.run(["aenv-test-tool"], envs=envs)
+    tool = bindir / "aenv-test-tool"
+    tool.write_text("#!/bin/sh\necho tool ran\n")
+    tool.chmod(0o755)
+    assert (await client.run(["aenv-test-tool"], envs=envs)).stdout == b"tool ran\n"
+    tool.unlink()
+    with pytest.raises(EnvdError, match="no such executable"):
+        await client.run(["aenv-test-tool"], envs=envs)
+    tool.write_text("#!/bin/sh\necho back\n")
+    tool.chmod(0o755)
+    assert (await client.run(["aenv-test-tool"], envs=envs)).stdout == b"back\n"
+
+
+def test_finished_processes_expire_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finished-process registry forgets those past FINISHED_TTL, in the order they ended,
+    and keeps the rest (imported as the guest imports it: the agent's directory on sys.path)."""
+    import sys
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "src" / "agentenv" / "guest"))
+    monkeypatch.delitem(sys.modules, "agentlib.process", raising=False)
+    from agentlib.process import FINISHED_TTL, ProcessManager
+
+    procs = ProcessManager(agent=None)
+    now = time.monotonic()
+    ages = [FINISHED_TTL + 60, FINISHED_TTL + 1, 10, 5]  # in the order they finished
+    for pid, age in enumerate(ages, start=100):
+        procs.running[pid] = SimpleNamespace(pid=pid, finished_at=now - age)
+    for pid in range(100, 100 + len(ages)):
+        procs._finish(procs.running[pid])
+    assert list(procs.finished) == [102, 103] and not procs.running
+    procs._finish(SimpleNamespace(pid=102, finished_at=time.monotonic()))  # a reused pid ends again
+    assert list(procs.finished) == [103, 102]
+
+
 # ---------------------------------------------------------------------------------------------
 # Paths: traversal, symlinks, non-UTF-8 names
 # ---------------------------------------------------------------------------------------------

@@ -141,11 +141,31 @@ def is_tool(path: str) -> bool:
     return bool(_tools_dir) and path.startswith(os.path.join(_tools_dir or "", ""))
 
 
+_found: dict[tuple[str, str], str] = {}
+
+
+def on_path(cmd: str, path: str) -> bool:
+    """Whether an executable ``cmd`` is on ``path`` (the spawn library then finds it itself).
+    Asked before every command; a PATH search is a stat per directory, ~20 us each under TCG,
+    so the file found is remembered and only checked again (one access()) next time."""
+    hit = _found.get((cmd, path))
+    if hit is not None and os.access(hit, os.X_OK):
+        return True
+    found = shutil.which(cmd, path=path)
+    if found is None:
+        _found.pop((cmd, path), None)
+        return False
+    if len(_found) > 256:
+        _found.clear()
+    _found[(cmd, path)] = found
+    return True
+
+
 def fallback_shell(cmd: str, path: str) -> str | None:
     """What to run for ``cmd`` when it is bash and the image has none (alpine, busybox,
     distroless): SDKs always ask for ``/bin/bash -l -c``. The image's ``/bin/sh`` if it has
     one, else the tools drive's busybox shell. None when ``cmd`` is not bash or bash exists."""
-    if os.path.basename(cmd) != "bash" or (shutil.which(cmd, path=path) if "/" not in cmd else os.path.exists(cmd)):
+    if os.path.basename(cmd) != "bash" or (on_path(cmd, path) if "/" not in cmd else os.path.exists(cmd)):
         return None
     if os.path.exists("/bin/sh"):
         return "/bin/sh"

