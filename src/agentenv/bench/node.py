@@ -7,6 +7,7 @@ SIGKILL to exercise restart and re-adoption.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -127,10 +128,7 @@ class LocalNode:
         for pid in qemu_pids(str(self.data_dir)):
             kill_pid(pid)
         qemu_gone(str(self.data_dir))
-        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        for name in (line.split()[0] for line in out.splitlines() if line.strip()):
-            if name.startswith(f"aenv-{settings.instance_tag[:4]}-"):
-                subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+        asyncio.run(SlotPool(settings.instance_tag, self.env["AENV_SLOT_CIDR"], 0).remove_orphans(keep=set()))
         shutil.rmtree(settings.mem_dir, ignore_errors=True)
         shutil.rmtree(settings.sock_dir, ignore_errors=True)
         subprocess.run(["nft", "delete", "table", "inet", f"aenv_{settings.instance_tag[:4]}"],
