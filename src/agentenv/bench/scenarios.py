@@ -135,13 +135,20 @@ def bench_exec(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[
     _wait_pool(node, api)
     sid, _ = _create(api)
     _wait_pool(node, api)  # measure without the pool refilling on the other core
-    try:
-        samples = []
+
+    def run_true() -> None:
+        api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["true"]}).raise_for_status()
+
+    def round_trips() -> list[float]:
+        out = []
         for _ in range(max(runs, 20)):
             t0 = time.perf_counter()
-            r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["true"]})
-            samples.append(_ms(t0))
-            r.raise_for_status()
+            run_true()
+            out.append(_ms(t0))
+        return out
+
+    try:
+        samples = round_trips()
         # The guest's own cost of running `true` (fork + exec + wait), measured inside the guest.
         script = ("import subprocess,time\nts=[]\nfor _ in range(20):\n t=time.perf_counter();"
                   " subprocess.run(['true']); ts.append((time.perf_counter()-t)*1000)\nprint(*ts)")
@@ -150,14 +157,8 @@ def bench_exec(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[
         # A long rollout: the same round trip once the sandbox has run 1,000 commands (the
         # agent keeps finished commands for 5 minutes; their number must not slow the next).
         with ThreadPoolExecutor(4) as ex:
-            list(ex.map(lambda _i: api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["true"]}).raise_for_status(),
-                        range(1000 - len(samples))))
-        busy = []
-        for _ in range(max(runs, 20)):
-            t0 = time.perf_counter()
-            api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["true"]}).raise_for_status()
-            busy.append(_ms(t0))
-        return {"exec_rtt_ms": samples, "guest_true_ms": guest, "exec_rtt_after_1000_ms": busy}
+            list(ex.map(lambda _i: run_true(), range(1000 - len(samples))))
+        return {"exec_rtt_ms": samples, "guest_true_ms": guest, "exec_rtt_after_1000_ms": round_trips()}
     finally:
         api.delete(f"/sandboxes/{sid}")
 
