@@ -20,7 +20,8 @@ def test_a_command_streaming_when_its_sandbox_is_killed_ends_with_not_running(sd
         sb = Sandbox.create(timeout=120)
         h = sb.commands.run("echo started; sleep 300", background=True)
         o = {}
-        threading.Timer(2.0, lambda: Sandbox.kill(sb.sandbox_id)).start()
+        killer = threading.Timer(2.0, lambda: Sandbox.kill(sb.sandbox_id))
+        killer.start()
         t0 = time.monotonic()
         try:
             h.wait()
@@ -29,6 +30,7 @@ def test_a_command_streaming_when_its_sandbox_is_killed_ends_with_not_running(sd
             o["error"] = type(e).__name__
             o["not_running"] = isinstance(e, SandboxNotRunningException)
         o["elapsed"] = time.monotonic() - t0
+        killer.join()  # the launcher leaves with os._exit: the kill must be answered first
         print(json.dumps(o))
     """)
     assert out["error"] == "SandboxNotRunningException" and out["not_running"] is True
