@@ -127,6 +127,44 @@ def test_a_torn_or_foreign_layer_is_refused(mem: Path, tmp_path: Path) -> None:
         g.close()
 
 
+def test_a_layer_no_longer_in_the_page_cache_restores_the_same(mem: Path, tmp_path: Path) -> None:
+    """Uncached page data is read straight from the disk (direct I/O), cached data from the cache."""
+    g = Guest(mem)
+    try:
+        g.write(100, 300, 4)
+        g.write(7000, 5, 6)
+        layer = ml.capture(g.proc.pid, mem, tmp_path / "l1")
+    finally:
+        g.close()
+    subprocess.run(["dd", f"of={layer.path}", "oflag=nocache", "conv=notrunc,fdatasync", "count=0"],
+                   check=True, capture_output=True)  # drop the file's cached pages
+    g2 = Guest(mem)
+    try:
+        assert ml.restore(g2.proc.pid, mem, [layer.path], [layer.digest]) == 305
+        assert (g2.read(99), g2.read(100), g2.read(399), g2.read(400), g2.read(7004)) == (7, 4, 4, 0, 6)
+    finally:
+        g2.close()
+
+
+def test_a_corrupt_layer_is_caught_while_it_is_restored(mem: Path, tmp_path: Path) -> None:
+    g = Guest(mem)
+    try:
+        g.write(20, 4, 1)
+        layer = ml.capture(g.proc.pid, mem, tmp_path / "l1")
+    finally:
+        g.close()
+    data = bytearray(layer.path.read_bytes())
+    data[4096 + 3 * 4096 + 17] ^= 0xFF  # a byte of the last page
+    layer.path.write_bytes(bytes(data))
+    g2 = Guest(mem)
+    try:
+        with pytest.raises(ml.CorruptLayer, match="fails its checksum"):
+            ml.restore(g2.proc.pid, mem, [layer.path], [layer.digest])
+        assert ml.restore(g2.proc.pid, mem, [layer.path]) == 4  # unchecked: the caller's choice
+    finally:
+        g2.close()
+
+
 def test_capture_speed_figure(mem: Path, tmp_path: Path) -> None:
     """Not a threshold (those live in the benchmark): prints the copy rate for the record."""
     g = Guest(mem)

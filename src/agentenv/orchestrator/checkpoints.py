@@ -171,11 +171,15 @@ class Checkpointer:
         chain = [self.repo.layer_path(r.name) for r in (rec.origin.memory if rec.origin else ())]
         mem_tmp = self.repo.staging_path("mem")
         undo.add("mem", lambda: asyncio.to_thread(mem_tmp.unlink, True))
+        t0 = time.perf_counter()
         info = await asyncio.to_thread(ml.capture, machine.pid, machine.spec.mem_path, mem_tmp, chain)
+        t1 = time.perf_counter()
         dev_tmp = self.repo.staging_path("dev")
         undo.add("dev", lambda: asyncio.to_thread(dev_tmp.unlink, True))
         await machine.save_device_state(dev_tmp)
         dev_digest = await asyncio.to_thread(ml.file_digest, dev_tmp)
+        log.debug("%s of %s: memory layer %d pages in %.1f ms, device state %.1f ms", kind, rec.id, info.pages,
+                 (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         await self._crash_point(f"{kind}_before_publish")
         mem_ref = await asyncio.to_thread(self.repo.import_layer, mem_tmp, "mem", info.digest)
         dev_ref = await asyncio.to_thread(self.repo.import_layer, dev_tmp, "dev", dev_digest)
@@ -224,8 +228,8 @@ class Checkpointer:
         pause captures the pages changed relative to it, as for any sandbox); the caller waits
         for the guest agent."""
         t0 = time.perf_counter()
-        if not verified:
-            await asyncio.to_thread(self.repo.verify, cp)
+        if not verified:  # the memory layers' checksums: while they are read, below
+            await asyncio.to_thread(self.repo.verify, cp, False)
         base = _base(cp.base)
         if base.created_at != cp.base_created_at:
             raise SnapshotUnusable(
@@ -253,8 +257,13 @@ class Checkpointer:
             machine = await Machine.launch(spec)
             undo.add("machine", machine.kill)
             t2 = time.perf_counter()
-            pages = 0 if mem_file or boot else await asyncio.to_thread(
-                ml.restore, machine.pid, base.mem_file, [self.repo.layer_path(r.name) for r in cp.memory])
+            try:
+                pages = 0 if mem_file or boot else await asyncio.to_thread(
+                    ml.restore, machine.pid, base.mem_file, [self.repo.layer_path(r.name) for r in cp.memory],
+                    [None if verified else r.digest for r in cp.memory])
+            except ml.CorruptLayer as exc:
+                raise SnapshotUnusable(f"snapshot {cp.name or cp.id}: layer {exc.path.name} fails its checksum "
+                                       f"(corrupt); delete the snapshot") from exc
             t3 = time.perf_counter()
             if cp.device is not None:  # i.e. not boot (spelled so for the type checker)
                 await machine.load_state(self.repo.layer_path(cp.device.name), timeout=self.restore_timeout_s)

@@ -214,28 +214,16 @@ class LayerFile:
             raise StorageError(f"memory layer {path.name} is truncated")
         self.runs: list[Run] = [_RUN.unpack_from(self._map, runs_at + i * _RUN.size) for i in range(nruns)]
         self.data_offset = PAGE
+        self.runs_at = runs_at
         self.pages = sum(c for _, c in self.runs)
         if PAGE + self.pages * PAGE != runs_at:
             raise StorageError(f"memory layer {path.name} is inconsistent")
-        self._cbuf: ctypes.c_char | None = ctypes.c_char.from_buffer(self._map)
-        self.address = ctypes.addressof(self._cbuf)
         self._view = memoryview(self._map)
 
     def close(self) -> None:
         """Unmap. Every view of the data handed out must be dropped before."""
-        self._cbuf = None
         self._view.release()
         self._map.close()
-
-    def page_index(self) -> dict[int, int]:
-        """page number → byte offset of its data in this file."""
-        out: dict[int, int] = {}
-        off = self.data_offset
-        for first, count in self.runs:
-            for p in range(first, first + count):
-                out[p] = off
-                off += PAGE
-        return out
 
     def view(self) -> memoryview:
         return self._view
@@ -335,33 +323,36 @@ def _write_layer(pid: int, start: int, size: int, runs: list[Run], out: Path, ch
         _spare.append(pair)
 
 
-_spare: list[list[tuple[bytearray, int]]] = []
+_spare: list[list[tuple[mmap.mmap, int]]] = []
 
 
-def _buffers() -> list[tuple[bytearray, int]]:
-    """Two copy buffers, kept between captures: a fresh buffer costs a page fault per page on
-    first use, which on a virtualised host is as slow as the copy itself."""
+def _buffers() -> list[tuple[mmap.mmap, int]]:
+    """Two page-aligned copy buffers (direct I/O needs the alignment), kept between captures:
+    a fresh buffer costs a page fault per page on first use, which on a virtualised host is
+    as slow as the copy itself."""
     try:
         return _spare.pop()
     except IndexError:
         out = []
         for _ in range(2):
-            b = bytearray(b"\1" * _CHUNK)  # touched now, not during a pause
+            b = mmap.mmap(-1, _CHUNK)
+            b.write(b"\1" * _CHUNK)  # touched now, not during a pause
             out.append((b, ctypes.addressof(ctypes.c_char.from_buffer(b))))
         return out
 
 
 def _pipeline(pid: int, start: int, size: int, runs: list[Run], out: Path, chain: _Chain | None,
-              pair: list[tuple[bytearray, int]]) -> LayerInfo:
+              pair: list[tuple[mmap.mmap, int]]) -> LayerInfo:
     kept: list[np.ndarray] = []
     digest = xxhash.xxh3_128()
 
-    def emit(f: BinaryIO, data: memoryview | np.ndarray) -> None:
-        f.write(data)
-        digest.update(data)
-
     with open(out, "wb") as f, ThreadPoolExecutor(1) as writer:
         f.seek(PAGE)
+
+        def emit(data: memoryview) -> None:
+            f.write(data)
+            digest.update(data)
+
         pending: Future[None] | None = None
         for i, batch in enumerate(_pieces(runs, _CHUNK // PAGE)):
             buf, addr = pair[i % 2]
@@ -371,15 +362,15 @@ def _pipeline(pid: int, start: int, size: int, runs: list[Run], out: Path, chain
             if pending is not None:
                 pending.result()
             numbers = _page_numbers(batch)
-            if chain is None:
-                kept.append(numbers)
-                pending = writer.submit(emit, f, memoryview(buf)[:nbytes])
-                continue
-            data = np.frombuffer(buf, dtype=np.uint64, count=nbytes // 8).reshape(-1, PAGE // 8)
-            mask = chain.changed(numbers, data)
-            kept.append(numbers[mask])
-            pending = writer.submit(emit, f, np.ascontiguousarray(data[mask]))
-            del data
+            if chain is not None:  # keep only the changed pages, moved to the buffer's front
+                data = np.frombuffer(buf, dtype=np.uint64, count=nbytes // 8).reshape(-1, PAGE // 8)
+                mask = chain.changed(numbers, data)
+                numbers = numbers[mask]
+                data[:len(numbers)] = data[mask]
+                nbytes = len(numbers) * PAGE
+                del data
+            kept.append(numbers)
+            pending = writer.submit(emit, memoryview(buf)[:nbytes])
         if pending is not None:
             pending.result()
         pages = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
@@ -409,27 +400,104 @@ def _merge(runs: list[Run]) -> list[Run]:
     return out
 
 
-def restore(pid: int, mem_path: Path, chain: Sequence[Path]) -> int:
+class CorruptLayer(StorageError):
+    """A layer's bytes do not match the checksum recorded for it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"memory layer {path.name} fails its checksum (corrupt)")
+        self.path = path
+
+
+def restore(pid: int, mem_path: Path, chain: Sequence[Path], digests: Sequence[str | None] = ()) -> int:
     """Write every layer's pages into QEMU ``pid``'s RAM, oldest first (a later page wins).
-    Must run before the device state is loaded. Returns the number of pages written."""
+    Must run before the device state is loaded. Returns the number of pages written.
+
+    ``digests`` (one per layer, None to skip): each layer is checked against its checksum in
+    the same pass that copies it, so a restore reads a layer once; on a mismatch it raises
+    CorruptLayer, and the caller must discard the machine (its RAM holds corrupt pages)."""
     start, end = ram_mapping(pid, mem_path)
     written = 0
-    for path in chain:
-        layer = LayerFile(path)
-        try:
-            if layer.mapping_size != end - start:
-                raise StorageError(f"memory layer {path.name} is for {layer.mapping_size >> 20} MiB of RAM, "
-                                   f"the machine has {(end - start) >> 20} MiB")
-            off = layer.address + layer.data_offset
-            for batch in _pieces(layer.runs, _CHUNK // PAGE):
-                nbytes = sum(c for _, c in batch) * PAGE
-                _transfer(_libc.process_vm_writev, pid, [(off, nbytes)],
-                          [(start + f * PAGE, c * PAGE) for f, c in batch])
-                off += nbytes
-            written += layer.pages
-        finally:
-            layer.close()
+    pair = _buffers()
+    try:
+        with ThreadPoolExecutor(1) as reader:
+            for i, path in enumerate(chain):
+                digest = digests[i] if i < len(digests) else None
+                written += _restore_layer(pid, start, end - start, path, digest, pair, reader)
+    finally:
+        _spare.append(pair)
     return written
+
+
+def _restore_layer(pid: int, start: int, size: int, path: Path, digest: str | None,
+                   pair: list[tuple[mmap.mmap, int]], reader: ThreadPoolExecutor) -> int:
+    """One layer: the next batch is read (and hashed) while the previous one is written."""
+    layer = LayerFile(path)
+    src = _LayerReader(path)
+    try:
+        if layer.mapping_size != size:
+            raise StorageError(f"memory layer {path.name} is for {layer.mapping_size >> 20} MiB of RAM, "
+                               f"the machine has {size >> 20} MiB")
+        h = xxhash.xxh3_128() if digest else None
+        batches = list(_pieces(layer.runs, _CHUNK // PAGE))
+        sizes = [sum(c for _, c in b) * PAGE for b in batches]
+
+        def fetch(k: int, offset: int) -> None:
+            view = memoryview(pair[k % 2][0])[:sizes[k]]
+            src.read(view, offset)
+            if h is not None:
+                h.update(view)
+
+        off = layer.data_offset
+        pending = reader.submit(fetch, 0, off) if batches else None
+        for k, batch in enumerate(batches):
+            assert pending is not None
+            pending.result()
+            if k + 1 < len(batches):
+                pending = reader.submit(fetch, k + 1, off + sizes[k])
+            _transfer(_libc.process_vm_writev, pid, [(pair[k % 2][1], sizes[k])],
+                      [(start + f * PAGE, c * PAGE) for f, c in batch])
+            off += sizes[k]
+        if h is not None:
+            h.update(layer.view()[layer.runs_at:])
+            h.update(layer.view()[:_HEADER.size])
+            if h.hexdigest() != digest:
+                raise CorruptLayer(path)
+        return layer.pages
+    finally:
+        src.close()
+        layer.close()
+
+
+class _LayerReader:
+    """Reads page data into aligned buffers: from the page cache where the pages are cached,
+    straight from the disk where not (a layer written with direct I/O is not cached, and
+    reading it through the cache would allocate a fresh page for every page read)."""
+
+    def __init__(self, path: Path) -> None:
+        self.name = path.name
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            self.direct: int | None = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            self.direct = None
+
+    def read(self, view: memoryview, offset: int) -> None:
+        done = 0
+        try:
+            done = os.preadv(self.fd, [view], offset, os.RWF_NOWAIT) // PAGE * PAGE
+        except OSError:  # not cached (EAGAIN), or a file system without RWF_NOWAIT
+            done = 0
+        fd = self.fd if self.direct is None else self.direct
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise StorageError(f"memory layer {self.name} is truncated")
+            done += n
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.direct is not None:
+            os.close(self.direct)
 
 
 def compact(chain: Sequence[Path], out: Path) -> LayerInfo:
