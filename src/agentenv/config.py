@@ -37,7 +37,7 @@ class Settings:
     default_timeout_s: int = 300
     max_timeout_s: int = 24 * 3600
     pool_size: int = 16  # restored, frozen sandboxes kept per hot template (a GRPO group's worth)
-    slot_pool_size: int = 4  # network namespaces kept ready
+    slot_pool_size: int = 16  # network namespaces kept ready: a fork of max_fork children waits for none
     boot_timeout_s: float = 120.0  # cold boot until the agent answers (TCG is slow)
     restore_timeout_s: float = 20.0  # restore until the agent answers
     tcg_tb_size_mb: int = 32  # TCG translation cache per VM; bounds host memory per sandbox

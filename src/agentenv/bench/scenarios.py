@@ -269,7 +269,9 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
             if any(fn in IMAGE_SCENARIOS for fn in wanted):
                 registry = LocalRegistry().start()
                 image = make_pull_image(registry)
-            node = LocalNode(tmp / "node", BENCH_CIDR, cache, AENV_POOL_SIZE=str(Settings().pool_size), AENV_ACCEL=accel,
+            defaults = Settings()  # the server as it runs by default (tests use smaller pools)
+            node = LocalNode(tmp / "node", BENCH_CIDR, cache, AENV_POOL_SIZE=str(defaults.pool_size),
+                             AENV_SLOT_POOL_SIZE=str(defaults.slot_pool_size), AENV_ACCEL=accel,
                              AENV_MAX_SANDBOXES="64", AENV_DOMAIN=DOMAIN,
                              AENV_INSECURE_REGISTRIES=registry.host if registry else "")
             node.start()
