@@ -64,17 +64,22 @@ class Machine:
         argv = build_argv(spec) + ["-display", "none", "-daemonize", "-pidfile", str(pidfile)]
         # -nographic conflicts with -daemonize; -display none is its equivalent here.
         argv.remove("-nographic")
-        launcher = await asyncio.create_subprocess_exec(
-            *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # QEMU's output goes to a file and the launch ends when the launcher exits, not at
+        # end-of-file on a pipe: an event loop may leak a descriptor of that pipe into the child
+        # (uvloop does), and the daemonized QEMU would then hold it open for its whole life.
+        log_path = spec.run_dir / "qemu-launch.log"
+        with open(log_path, "wb") as log_file:
+            launcher = await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
         try:
-            out, _ = await launcher.communicate()
+            await launcher.wait()
         except asyncio.CancelledError:
             # The launcher goes on and may still daemonize a QEMU: wait for it, kill what it
             # started, then let the cancellation through. Nothing is left running.
             await asyncio.shield(_abandon_launch(launcher, pidfile))
             raise
         if launcher.returncode != 0:
-            raise VmLaunchFailed(argv, out.decode(errors="replace"))
+            raise VmLaunchFailed(argv, log_path.read_text(errors="replace"))
         pid = int(pidfile.read_text().strip())
         try:
             return await cls._connect(spec, pid)
