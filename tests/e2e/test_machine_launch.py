@@ -12,7 +12,13 @@ import pytest
 from agentenv.bench.node import CACHE
 from agentenv.images.artifacts import artifacts_present
 from agentenv.storage import create_overlay
-from agentenv.vmm import Machine, MachineSpec, VmLaunchFailed, detect_accel, find_qemu_pids
+from agentenv.vmm import (
+    Machine,
+    MachineSpec,
+    VmLaunchFailed,
+    detect_accel,
+    find_qemu_pids,
+)
 
 
 @pytest.fixture
