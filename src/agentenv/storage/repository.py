@@ -17,7 +17,8 @@ that a crash could leave wrong.
 
 Disk layers are not content-hashed: a sealed overlay is unique by construction and hashing a
 GiB would put seconds on the snapshot path. Their size is recorded and checked instead; memory
-and device layers are verified against their checksum before every restore.
+and device layers are verified against their checksum at every restore (memory layers in the
+pass that copies them into the machine, ``memory_layers.restore``).
 """
 
 from __future__ import annotations
