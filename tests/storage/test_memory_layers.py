@@ -71,6 +71,17 @@ def mem(tmp_path: Path) -> Iterator[Path]:
     d.rmdir()
 
 
+def capture_of(mem: Path, out: Path, *writes: tuple[int, int, int]) -> ml.LayerInfo:
+    """A layer captured from a fresh guest after ``writes`` (page, count, byte)."""
+    g = Guest(mem)
+    try:
+        for page, count, byte in writes:
+            g.write(page, count, byte)
+        return ml.capture(g.proc.pid, mem, out)
+    finally:
+        g.close()
+
+
 def test_capture_holds_only_the_changed_pages_and_restores_them(mem: Path, tmp_path: Path) -> None:
     g = Guest(mem)
     try:
@@ -129,13 +140,7 @@ def test_a_torn_or_foreign_layer_is_refused(mem: Path, tmp_path: Path) -> None:
 
 def test_a_layer_no_longer_in_the_page_cache_restores_the_same(mem: Path, tmp_path: Path) -> None:
     """Uncached page data is read straight from the disk (direct I/O), cached data from the cache."""
-    g = Guest(mem)
-    try:
-        g.write(100, 300, 4)
-        g.write(7000, 5, 6)
-        layer = ml.capture(g.proc.pid, mem, tmp_path / "l1")
-    finally:
-        g.close()
+    layer = capture_of(mem, tmp_path / "l1", (100, 300, 4), (7000, 5, 6))
     subprocess.run(["dd", f"of={layer.path}", "oflag=nocache", "conv=notrunc,fdatasync", "count=0"],
                    check=True, capture_output=True)  # drop the file's cached pages
     g2 = Guest(mem)
@@ -147,12 +152,7 @@ def test_a_layer_no_longer_in_the_page_cache_restores_the_same(mem: Path, tmp_pa
 
 
 def test_a_corrupt_layer_is_caught_while_it_is_restored(mem: Path, tmp_path: Path) -> None:
-    g = Guest(mem)
-    try:
-        g.write(20, 4, 1)
-        layer = ml.capture(g.proc.pid, mem, tmp_path / "l1")
-    finally:
-        g.close()
+    layer = capture_of(mem, tmp_path / "l1", (20, 4, 1))
     data = bytearray(layer.path.read_bytes())
     data[4096 + 3 * 4096 + 17] ^= 0xFF  # a byte of the last page
     layer.path.write_bytes(bytes(data))
@@ -180,12 +180,7 @@ def test_capture_speed_figure(mem: Path, tmp_path: Path) -> None:
 
 
 def test_materialized_file_is_base_plus_chain(mem: Path, tmp_path: Path) -> None:
-    g = Guest(mem)
-    try:
-        g.write(10, 3, 1)
-        l1 = ml.capture(g.proc.pid, mem, tmp_path / "l1")
-    finally:
-        g.close()
+    l1 = capture_of(mem, tmp_path / "l1", (10, 3, 1))
     out = mem.with_name("merged.mem")
     ml.materialize(mem, [l1.path], out)
     assert out.stat().st_size == mem.stat().st_size
