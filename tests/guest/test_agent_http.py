@@ -429,6 +429,23 @@ async def test_malformed_requests_leave_the_agent_serving(agent, tmp_path: Path)
         answer = await asyncio.wait_for(reader.read(), 10)
         writer.close()
         assert answer.startswith(b"HTTP/1.1 400"), answer
+    # A head over the reader's limit is refused the same way.
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 300_000 + b"\r\n\r\n")  # limit: 256 KiB
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b"too large" in answer, answer[:200]
+    # A head that arrives in pieces, after empty lines, is one request; the connection serves the next.
+    reader, writer = await asyncio.open_connection(host, int(port))
+    for piece in (b"\r\n\r\nGET /hea", b"lth HTTP/1.1\r\nHost: x\r", b"\n\r\n", b"GET /health HTTP/1.1\r\n\r\n"):
+        writer.write(piece)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+    first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    second = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    writer.close()
+    assert first.startswith(b"HTTP/1.1 204") and second.startswith(b"HTTP/1.1 204"), (first, second)
     with socket.create_connection((host, int(port))) as s:  # a client that vanishes mid-body
         s.sendall(b"POST /files?path=" + str(tmp_path / "cut.bin").encode() + b" HTTP/1.1\r\nContent-Length: 100000\r\n"
                   b"Content-Type: application/octet-stream\r\n\r\n" + b"x" * 5000)

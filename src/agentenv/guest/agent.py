@@ -391,7 +391,7 @@ class Agent:
             while True:
                 try:
                     req = await read_request(reader, writer)
-                except (HttpError, ValueError) as exc:  # ValueError: line over the buffer limit
+                except (HttpError, ValueError) as exc:  # ValueError: a head the parser cannot take
                     msg = exc.message if isinstance(exc, HttpError) else "request head too large"
                     await Response(writer, False).send_json(400, {"code": 400, "message": msg})
                     return
