@@ -165,6 +165,23 @@ def test_a_corrupt_layer_is_caught_while_it_is_restored(mem: Path, tmp_path: Pat
         g2.close()
 
 
+def test_a_layer_whose_runs_table_points_outside_the_ram_is_refused(mem: Path, tmp_path: Path) -> None:
+    layer = capture_of(mem, tmp_path / "l1", (20, 4, 1))
+    data = bytearray(layer.path.read_bytes())
+    runs_at = 4096 + 4 * 4096
+    data[runs_at:runs_at + 8] = (SIZE // 4096).to_bytes(8, "little")  # first page: past the end of RAM
+    layer.path.write_bytes(bytes(data))
+    g = Guest(mem)
+    try:
+        with pytest.raises(ml.CorruptLayer, match="fails its checksum"):
+            ml.restore(g.proc.pid, mem, [layer.path], [layer.digest])
+        with pytest.raises(ml.StorageError, match="inconsistent"):
+            ml.restore(g.proc.pid, mem, [layer.path])
+        assert g.read(20) == 7  # nothing was written
+    finally:
+        g.close()
+
+
 def test_capture_speed_figure(mem: Path, tmp_path: Path) -> None:
     """Not a threshold (those live in the benchmark): prints the copy rate for the record."""
     g = Guest(mem)

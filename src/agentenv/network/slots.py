@@ -50,7 +50,7 @@ class SlotPool:
         self.tag = tag
         self.net = ipaddress.ip_network(cidr)
         self.capacity = self.net.num_addresses // 4 - 1  # /30 number 0 is never used
-        self.target = target
+        self.target = min(target, self.capacity // 2)  # a small block keeps room for sandboxes
         self._used: set[int] = set()
         self._ready: list[Slot] = []
         self._lock = asyncio.Lock()

@@ -34,7 +34,7 @@ import mmap
 import os
 import struct
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -216,8 +216,9 @@ class LayerFile:
         self.data_offset = PAGE
         self.runs_at = runs_at
         self.pages = sum(c for _, c in self.runs)
-        if PAGE + self.pages * PAGE != runs_at:
-            raise StorageError(f"memory layer {path.name} is inconsistent")
+        ram_pages = self.mapping_size // PAGE
+        if PAGE + self.pages * PAGE != runs_at or any(f + c > ram_pages for f, c in self.runs):
+            raise StorageError(f"memory layer {path.name} is inconsistent")  # never outside the RAM
         self._view = memoryview(self._map)
 
     def close(self) -> None:
@@ -320,7 +321,7 @@ def _write_layer(pid: int, start: int, size: int, runs: list[Run], out: Path, ch
     try:
         return _pipeline(pid, start, size, runs, out, chain, pair)
     finally:
-        _spare.append(pair)
+        _release_buffers(pair)
 
 
 _spare: list[list[tuple[mmap.mmap, int]]] = []
@@ -339,6 +340,13 @@ def _buffers() -> list[tuple[mmap.mmap, int]]:
             b.write(b"\1" * _CHUNK)  # touched now, not during a pause
             out.append((b, ctypes.addressof(ctypes.c_char.from_buffer(b))))
         return out
+
+
+def _release_buffers(pair: list[tuple[mmap.mmap, int]]) -> None:
+    """Keep a pair for the next capture or restore; beyond two, give the memory back (a burst
+    of concurrent operations must not pin its buffers for the life of the server)."""
+    if len(_spare) < 2:
+        _spare.append(pair)
 
 
 def _pipeline(pid: int, start: int, size: int, runs: list[Run], out: Path, chain: _Chain | None,
@@ -415,16 +423,27 @@ def restore(pid: int, mem_path: Path, chain: Sequence[Path], digests: Sequence[s
     ``digests`` (one per layer, None to skip): each layer is checked against its checksum in
     the same pass that copies it, so a restore reads a layer once; on a mismatch it raises
     CorruptLayer, and the caller must discard the machine (its RAM holds corrupt pages)."""
+    if digests and len(digests) != len(chain):
+        raise ValueError(f"{len(digests)} checksums for {len(chain)} memory layers")
     start, end = ram_mapping(pid, mem_path)
     written = 0
     pair = _buffers()
     try:
         with ThreadPoolExecutor(1) as reader:
             for i, path in enumerate(chain):
-                digest = digests[i] if i < len(digests) else None
-                written += _restore_layer(pid, start, end - start, path, digest, pair, reader)
+                digest = digests[i] if digests else None
+                try:
+                    written += _restore_layer(pid, start, end - start, path, digest, pair, reader)
+                except CorruptLayer:
+                    raise
+                except StorageError:
+                    # A layer that does not parse, or names pages outside the RAM, is corrupt if
+                    # its bytes are not the ones recorded (the header and runs table are hashed too).
+                    if digest is not None and file_digest(path) != digest:
+                        raise CorruptLayer(path) from None
+                    raise
     finally:
-        _spare.append(pair)
+        _release_buffers(pair)
     return written
 
 
@@ -433,6 +452,7 @@ def _restore_layer(pid: int, start: int, size: int, path: Path, digest: str | No
     """One layer: the next batch is read (and hashed) while the previous one is written."""
     layer = LayerFile(path)
     src = _LayerReader(path)
+    pending: Future[None] | None = None
     try:
         if layer.mapping_size != size:
             raise StorageError(f"memory layer {path.name} is for {layer.mapping_size >> 20} MiB of RAM, "
@@ -451,7 +471,8 @@ def _restore_layer(pid: int, start: int, size: int, path: Path, digest: str | No
         pending = reader.submit(fetch, 0, off) if batches else None
         for k, batch in enumerate(batches):
             assert pending is not None
-            pending.result()
+            done, pending = pending, None
+            done.result()
             if k + 1 < len(batches):
                 pending = reader.submit(fetch, k + 1, off + sizes[k])
             _transfer(_libc.process_vm_writev, pid, [(pair[k % 2][1], sizes[k])],
@@ -464,6 +485,8 @@ def _restore_layer(pid: int, start: int, size: int, path: Path, digest: str | No
                 raise CorruptLayer(path)
         return layer.pages
     finally:
+        if pending is not None:  # a read still running (the copy into QEMU failed): let it end
+            wait([pending])
         src.close()
         layer.close()
 
@@ -487,9 +510,16 @@ class _LayerReader:
             done = os.preadv(self.fd, [view], offset, os.RWF_NOWAIT) // PAGE * PAGE
         except OSError:  # not cached (EAGAIN), or a file system without RWF_NOWAIT
             done = 0
-        fd = self.fd if self.direct is None else self.direct
         while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
+            fd = self.fd if self.direct is None else self.direct
+            try:
+                n = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self.direct is not None:
+                    os.close(self.direct)  # direct I/O opened but refused (alignment): read through the cache
+                    self.direct = None
+                    continue
+                raise StorageError(f"cannot read memory layer {self.name}: {exc}") from exc
             if n <= 0:
                 raise StorageError(f"memory layer {self.name} is truncated")
             done += n

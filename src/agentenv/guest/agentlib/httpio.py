@@ -165,7 +165,8 @@ class Response:
 async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Request | None:
     """Parse the next request head; None on a clean close or after the idle timeout. The head
     is read in one piece: one wakeup and one split, not a ``readline`` per header (under
-    emulation each costs a fraction of a millisecond, on every command)."""
+    emulation each costs a fraction of a millisecond, on every command). Lines end in CRLF, as
+    every HTTP client sends them; RFC 9112 leaves accepting a bare LF to the server."""
     while True:
         try:
             async with asyncio.timeout(IDLE_TIMEOUT):
