@@ -391,8 +391,8 @@ class Agent:
             while True:
                 try:
                     req = await read_request(reader, writer)
-                except (HttpError, ValueError) as exc:  # ValueError: a head the parser cannot take
-                    msg = exc.message if isinstance(exc, HttpError) else "request head too large"
+                except (HttpError, ValueError) as exc:  # ValueError: a target urllib cannot split
+                    msg = exc.message if isinstance(exc, HttpError) else "malformed request target"
                     await Response(writer, False).send_json(400, {"code": 400, "message": msg})
                     return
                 if req is None:

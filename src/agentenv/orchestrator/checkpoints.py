@@ -171,15 +171,11 @@ class Checkpointer:
         chain = [self.repo.layer_path(r.name) for r in (rec.origin.memory if rec.origin else ())]
         mem_tmp = self.repo.staging_path("mem")
         undo.add("mem", lambda: asyncio.to_thread(mem_tmp.unlink, True))
-        t0 = time.perf_counter()
         info = await asyncio.to_thread(ml.capture, machine.pid, machine.spec.mem_path, mem_tmp, chain)
-        t1 = time.perf_counter()
         dev_tmp = self.repo.staging_path("dev")
         undo.add("dev", lambda: asyncio.to_thread(dev_tmp.unlink, True))
         await machine.save_device_state(dev_tmp)
         dev_digest = await asyncio.to_thread(ml.file_digest, dev_tmp)
-        log.debug("%s of %s: memory layer %d pages in %.1f ms, device state %.1f ms", kind, rec.id, info.pages,
-                 (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         await self._crash_point(f"{kind}_before_publish")
         mem_ref = await asyncio.to_thread(self.repo.import_layer, mem_tmp, "mem", info.digest)
         dev_ref = await asyncio.to_thread(self.repo.import_layer, dev_tmp, "dev", dev_digest)
@@ -229,7 +225,7 @@ class Checkpointer:
         for the guest agent."""
         t0 = time.perf_counter()
         if not verified:  # the memory layers' checksums: while they are read, below
-            await asyncio.to_thread(self.repo.verify, cp, False)
+            await asyncio.to_thread(self.repo.verify, cp, memory_digests=False)
         base = _base(cp.base)
         if base.created_at != cp.base_created_at:
             raise SnapshotUnusable(

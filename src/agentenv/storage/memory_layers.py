@@ -493,8 +493,8 @@ def _restore_layer(pid: int, start: int, size: int, path: Path, digest: str | No
 
 class _LayerReader:
     """Reads page data into aligned buffers: from the page cache where the pages are cached,
-    straight from the disk where not (a layer written with direct I/O is not cached, and
-    reading it through the cache would allocate a fresh page for every page read)."""
+    straight from the disk where not (a layer evicted from the cache, or on disk since before a
+    restart: reading it through the cache would allocate a fresh page for every page read)."""
 
     def __init__(self, path: Path) -> None:
         self.name = path.name
