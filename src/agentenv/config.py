@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from agentenv.vmm import DEFAULT_TCG_CPU
+
 Accel = Literal["auto", "kvm", "tcg"]
 
 
@@ -41,6 +43,7 @@ class Settings:
     boot_timeout_s: float = 120.0  # cold boot until the agent answers (TCG is slow)
     restore_timeout_s: float = 20.0  # restore until the agent answers
     tcg_tb_size_mb: int = 32  # TCG translation cache per VM; bounds host memory per sandbox
+    tcg_cpu: str = DEFAULT_TCG_CPU  # QEMU -cpu under TCG for new template snapshots (accel.py)
     guest_aslr: bool = False  # under TCG, ASLR in the guest makes every exec 2-3x slower
     max_fork: int = 16  # children per fork call
     max_memory_layers: int = 8  # a longer memory chain is compacted into one layer
@@ -87,6 +90,7 @@ class Settings:
             boot_timeout_s=float(_env("AENV_BOOT_TIMEOUT", str(d.boot_timeout_s))),
             restore_timeout_s=float(_env("AENV_RESTORE_TIMEOUT", str(d.restore_timeout_s))),
             tcg_tb_size_mb=int(_env("AENV_TCG_TB_MB", str(d.tcg_tb_size_mb))),
+            tcg_cpu=_env("AENV_TCG_CPU", d.tcg_cpu),
             guest_aslr=_env("AENV_GUEST_ASLR", "0") in ("1", "true", "on"),
             faults=frozenset(f for f in _env("AENV_FAULTS", "").split(",") if f),
             domain=os.environ.get("AENV_DOMAIN") or None,

@@ -3,6 +3,7 @@ each), unless a checkpoint or a sandbox still needs them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from agentenv.images import GuestArtifacts
@@ -44,3 +45,27 @@ def test_stale_template_snapshots_are_removed_unless_kept(tmp_path: Path) -> Non
     assert not stale.dir.exists() and not stale.mem_file.exists()
     for kept in (current, current_big, pinned, mapped):
         assert TemplateSnapshot.load(kept.dir) is not None
+
+
+def test_a_cpu_model_change_makes_a_new_snapshot_and_old_ones_keep_theirs(tmp_path: Path) -> None:
+    """The TCG CPU model is part of a snapshot's identity: with another AENV_TCG_CPU the next
+    create builds a new one (the old one goes once unused), and a snapshot written before the
+    model was recorded is restored with the model it was made with, "max"."""
+    t = Template("base", GuestArtifacts(Path("/k"), Path("/i"), Path("/r"), Path("/t")))
+    tcg = AccelInfo("tcg", "test")
+
+    def builder(cpu: str, accel: AccelInfo = tcg) -> SnapshotBuilder:
+        return SnapshotBuilder(root=tmp_path, mem_dir=tmp_path, sock_dir=tmp_path, slots=None,  # type: ignore[arg-type]
+                               accel=accel, boot_timeout_s=1, tb_size_mb=32, tcg_cpu=cpu)
+
+    assert builder("max").snapshot_dir(t, 1, 512) != builder("max,-avx").snapshot_dir(t, 1, 512)
+    kvm = AccelInfo("kvm", "test")  # the guest gets the host's CPU: the TCG model is irrelevant
+    assert builder("max", kvm).snapshot_dir(t, 1, 512) == builder("max,-avx", kvm).snapshot_dir(t, 1, 512)
+
+    old = _snapshot(builder("max"), tmp_path / "old", tmp_path / "old.mem")
+    meta = old.dir / "meta.json"
+    fields = json.loads(meta.read_text())
+    del fields["tcg_cpu"]  # as written before the field existed
+    meta.write_text(json.dumps(fields))
+    loaded = TemplateSnapshot.load(old.dir)
+    assert loaded is not None and loaded.tcg_cpu == "max"

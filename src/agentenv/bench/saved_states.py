@@ -163,7 +163,8 @@ async def _migrate_baseline(template_dir: Path, tmp: Path, runs: int, accel_sett
                     return MachineSpec(name=name, run_dir=run_dir, sock_dir=settings.sock_dir, kernel=Path(snap.kernel),
                                        initramfs=Path(snap.initramfs), disk=d / "disk.qcow2", tools=Path(snap.tools),
                                        mem_path=mem_path, memory_mb=snap.memory_mb, vcpus=snap.vcpus, accel=accel,
-                                       netns=slot.netns, incoming=True, **guest_link_spec())
+                                       netns=slot.netns, incoming=True, tcg_cpu=snap.tcg_cpu,
+                                       **guest_link_spec())
 
                 src = await Machine.launch(spec(f"bench-mig-src{i}", d / "src", snap.mem_file))
                 dst: Machine | None = None

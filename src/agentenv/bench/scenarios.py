@@ -73,7 +73,8 @@ async def _cold_boots(runs: int, tmp: Path, cache: Path, accel_setting: str) -> 
             spec = MachineSpec(name=f"bench-cold{i}", run_dir=d, sock_dir=settings.sock_dir, kernel=arts.kernel,
                                initramfs=arts.initramfs, disk=d / "disk.qcow2", tools=arts.tools,
                                mem_path=settings.mem_dir / f"cold{i}.mem", memory_mb=512, vcpus=1,
-                               accel=accel, mem_share=True, netns=slot.netns, **guest_link_spec())
+                               accel=accel, mem_share=True, netns=slot.netns, tcg_cpu=settings.tcg_cpu,
+                               **guest_link_spec())
             t_boot = time.perf_counter()
             m = await Machine.launch(spec)
             try:

@@ -245,7 +245,7 @@ class Checkpointer:
                 name=name, run_dir=run_dir, sock_dir=self.sock_dir, kernel=Path(base.kernel),
                 initramfs=Path(base.initramfs), disk=disk_top, tools=Path(base.tools), mem_path=mem_file or base.mem_file,
                 memory_mb=base.memory_mb, vcpus=base.vcpus, accel=self.accel, incoming=not boot,
-                device_state_only=not boot, netns=slot.netns, tb_size_mb=self.tb_size_mb,
+                device_state_only=not boot, netns=slot.netns, tb_size_mb=self.tb_size_mb, tcg_cpu=base.tcg_cpu,
                 guest_aslr=self.guest_aslr, **guest_link_spec(),
             )
             _write_spec(spec)

@@ -58,6 +58,7 @@ class Orchestrator:
             root=settings.data_dir / "templates", mem_dir=settings.mem_dir, sock_dir=settings.sock_dir,
             slots=self.slots,
             accel=self.accel, boot_timeout_s=settings.boot_timeout_s, tb_size_mb=settings.tcg_tb_size_mb,
+            tcg_cpu=settings.tcg_cpu,
             guest_aslr=settings.guest_aslr,
         )
         self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots)

@@ -93,6 +93,7 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
             initramfs=Path(snapshot.initramfs), disk=run_dir / "disk.qcow2", tools=Path(snapshot.tools),
             mem_path=snapshot.mem_file, memory_mb=snapshot.memory_mb, vcpus=snapshot.vcpus,
             accel=accel, mem_share=False, incoming=True, netns=slot.netns, tb_size_mb=tb_size_mb,
+            tcg_cpu=snapshot.tcg_cpu,
             **guest_link_spec(),
         )
         tmp = run_dir / "machine.json.tmp"

@@ -32,7 +32,7 @@ from agentenv.storage import (
     seal_readonly,
 )
 from agentenv.storage.template_snapshot import TMP_SUFFIX
-from agentenv.vmm import AccelInfo, Machine, MachineSpec
+from agentenv.vmm import DEFAULT_TCG_CPU, AccelInfo, Machine, MachineSpec
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,10 @@ class SnapshotBuilder:
     """Makes (once) and finds the template snapshot of a (template, shape)."""
 
     def __init__(self, *, root: Path, mem_dir: Path, sock_dir: Path, slots: SlotPool, accel: AccelInfo,
-                 boot_timeout_s: float, tb_size_mb: int, guest_aslr: bool = False) -> None:
+                 boot_timeout_s: float, tb_size_mb: int, tcg_cpu: str = DEFAULT_TCG_CPU,
+                 guest_aslr: bool = False) -> None:
         self.guest_aslr = guest_aslr
+        self.tcg_cpu = tcg_cpu
         self.root = root
         self.sock_dir = sock_dir
         self.mem_dir = mem_dir
@@ -129,9 +131,14 @@ class SnapshotBuilder:
     def snapshot_dir(self, t: Template, vcpus: int, memory_mb: int) -> Path:
         """Named after everything the boot depends on, so a change makes a new snapshot."""
         key = hashlib.sha256(json.dumps([
-            t.artifacts.to_json(), self.accel.accel, self.guest_aslr, t.env, t.user, t.workdir,
+            t.artifacts.to_json(), self.accel.accel, self.guest_aslr, t.env, t.user, t.workdir, self.cpu_model,
         ]).encode()).hexdigest()[:12]
         return self.root / t.name / "snapshots" / f"{vcpus}cpu-{memory_mb}M-{key}"
+
+    @property
+    def cpu_model(self) -> str:
+        """The -cpu of new snapshots: the TCG model, or "host" under KVM."""
+        return self.tcg_cpu if self.accel.accel == "tcg" else "host"
 
     def remove_stale(self, catalog: TemplateCatalog, keep: set[str]) -> list[str]:
         """Remove template snapshots built from inputs that are no longer current (an image or
@@ -216,7 +223,8 @@ class SnapshotBuilder:
                 name=f"tmpl-{t.name}", run_dir=d / "run", sock_dir=self.sock_dir, kernel=t.artifacts.kernel,
                 initramfs=t.artifacts.initramfs, disk=d / "disk.qcow2", tools=t.artifacts.tools, mem_path=mem_file,
                 memory_mb=memory_mb, vcpus=vcpus, accel=self.accel, mem_share=True,
-                netns=slot.netns, tb_size_mb=self.tb_size_mb, guest_aslr=self.guest_aslr, **guest_link_spec(),
+                netns=slot.netns, tb_size_mb=self.tb_size_mb, tcg_cpu=self.tcg_cpu, guest_aslr=self.guest_aslr,
+                **guest_link_spec(),
             )
             t0 = time.monotonic()
             machine = await Machine.launch(spec)
@@ -247,7 +255,7 @@ class SnapshotBuilder:
                 template=t.name, dir=d, mem_file=mem_file, memory_mb=memory_mb, vcpus=vcpus,
                 kernel=str(t.artifacts.kernel), initramfs=str(t.artifacts.initramfs),
                 rootfs=str(t.artifacts.rootfs), tools=str(t.artifacts.tools), created_at=time.time(), boot_ms=boot_ms,
-                snapshot_ms=snapshot_ms,
+                snapshot_ms=snapshot_ms, tcg_cpu=self.tcg_cpu,
             )
             t2 = time.monotonic()
             await asyncio.to_thread(snap.keep_memory)

@@ -42,6 +42,9 @@ class TemplateSnapshot:
     tools: str = ""  # the tools drive the guest runs its agent from (its version is in the name)
     boot_ms: float = 0.0
     snapshot_ms: float = 0.0
+    # QEMU's -cpu under TCG when it was made; every restore of it and of what builds on it
+    # (pauses, snapshots, forks) must use the same. Snapshots from before the field: "max".
+    tcg_cpu: str = "max"
 
     @property
     def disk(self) -> Path:

@@ -11,6 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+# The guest CPU under TCG: QEMU's "max" model without AVX. TCG emulates the 256-bit AVX state
+# and the AVX2 code paths glibc then picks (string functions, memcpy) more slowly than their
+# SSE ones, so AVX makes every command slower: `bash -l -c true` and the E2B command round trip
+# measured ~20% faster without it (docs/mechanisms/machines.md). Software that requires AVX
+# still runs where the host has KVM (``-cpu host``), or with AENV_TCG_CPU=max. A saved machine
+# is restored with the model it was saved with (TemplateSnapshot.tcg_cpu), never this default.
+DEFAULT_TCG_CPU = "max,-avx,-avx2,-fma,-f16c,-vaes"
+
 
 @dataclass(frozen=True)
 class AccelInfo:
@@ -34,10 +42,10 @@ class AccelInfo:
             args.append("norandmaps")
         return args
 
-    def qemu_args(self, tb_size_mb: int) -> list[str]:
+    def qemu_args(self, tb_size_mb: int, tcg_cpu: str = DEFAULT_TCG_CPU) -> list[str]:
         if self.accel == "kvm":
             return ["-accel", "kvm", "-cpu", "host"]
-        return ["-accel", f"tcg,thread=multi,tb-size={tb_size_mb}", "-cpu", "max"]
+        return ["-accel", f"tcg,thread=multi,tb-size={tb_size_mb}", "-cpu", tcg_cpu]
 
 
 def host_tsc_khz() -> int:

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentenv.vmm.accel import AccelInfo
+from agentenv.vmm.accel import DEFAULT_TCG_CPU, AccelInfo
 from agentenv.vmm.kernel_stub import restore_stub
 
 
@@ -35,6 +35,7 @@ class MachineSpec:
     guest_ip: str = ""  # address/prefix, configured by the guest init from the command line
     guest_gw: str = ""
     tb_size_mb: int = 32
+    tcg_cpu: str = DEFAULT_TCG_CPU  # a restore must use the model its state was saved with
     kernel_args: tuple[str, ...] = field(default_factory=tuple)
     guest_aslr: bool = False
 
@@ -70,7 +71,7 @@ def build_argv(spec: MachineSpec) -> list[str]:
         "qemu-system-x86_64",
         "-name", spec.name,
         "-M", "microvm,acpi=on,memory-backend=mem",
-        *spec.accel.qemu_args(spec.tb_size_mb),
+        *spec.accel.qemu_args(spec.tb_size_mb, spec.tcg_cpu),
         "-m", f"{spec.memory_mb}M",
         "-smp", str(spec.vcpus),
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",

@@ -27,6 +27,7 @@ async def health_details(request: Request) -> dict[str, object]:
         "accel": orch.accel.accel,
         "accelReason": orch.accel.reason,
         "accelForced": orch.accel.forced,
+        "cpu": orch.snapshots.cpu_model,  # QEMU -cpu of new template snapshots
         "sandboxes": counts,
         "maxSandboxes": orch.settings.max_sandboxes,
         "poolReady": orch.pool.fill_level()[0],

@@ -1,0 +1,71 @@
+"""The guest CPU model under TCG is a setting (AENV_TCG_CPU), and changing it loses nothing.
+
+A saved machine can only be restored with the CPU it was saved with: a process that chose AVX
+code at its start faults on a CPU without AVX. So pauses and snapshots taken under one model
+must come back under that model after a restart with another, while new sandboxes get the new
+one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from agentenv.vmm import DEFAULT_TCG_CPU
+from tests.e2e.conftest import run
+from tests.framework import host
+from tests.framework.net import node_cidr
+from tests.framework.server import ServerProcess
+
+COUNTER = "nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &"
+
+
+def _cpu_arg(sid: str) -> str:
+    (pid,) = host.qemu_pids(sid)
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("-cpu") + 1]
+
+
+def _avx2_flag(api, sid: str) -> bool:  # type: ignore[no-untyped-def]
+    return run(api, sid, "grep -wc avx2 /proc/cpuinfo || true")["stdout"].strip() != "0"
+
+
+def test_saved_state_resumes_with_the_cpu_it_was_saved_with(tmp_path: Path) -> None:
+    s = ServerProcess(tmp_path / "data", node_cidr(23), AENV_POOL_SIZE="0", AENV_TCG_CPU="max")
+    s.start()
+    try:
+        with s.client() as api:
+            details = api.get("/health/details").json()
+            tcg = details["accel"] == "tcg"
+            sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+            if tcg:  # under KVM the guest always gets the host's CPU
+                assert details["cpu"] == "max"
+                assert _cpu_arg(sid) == "max" and _avx2_flag(api, sid)
+            run(api, sid, COUNTER)
+            run(api, sid, "echo kept > /home/user/f.txt")
+            assert api.post(f"/sandboxes/{sid}/snapshots", json={"name": "under-max"}).status_code == 201
+            assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        s.stop()
+        del s.env["AENV_TCG_CPU"]  # the default model from now on
+        s.start()
+        with s.client() as api:
+            details = api.get("/health/details").json()
+            assert api.post(f"/sandboxes/{sid}/resume", json={"timeout": 600}).status_code == 201
+            before = int(run(api, sid, "cat /tmp/count")["stdout"])
+            time.sleep(1)
+            assert int(run(api, sid, "cat /tmp/count")["stdout"]) > before, "the counter stopped"
+            assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "kept\n"
+            r = api.post("/sandboxes", json={"templateID": "under-max", "timeout": 600})
+            assert r.status_code == 201, r.text
+            child = r.json()["sandboxID"]
+            assert run(api, child, "cat /home/user/f.txt")["stdout"] == "kept\n"
+            fresh = api.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+            if tcg:
+                assert details["cpu"] == DEFAULT_TCG_CPU
+                assert _cpu_arg(sid) == "max" and _cpu_arg(child) == "max"
+                assert _cpu_arg(fresh) == DEFAULT_TCG_CPU and not _avx2_flag(api, fresh)
+            for x in (sid, child, fresh):
+                assert api.delete(f"/sandboxes/{x}").status_code == 204
+            assert api.delete("/snapshots/under-max").status_code == 204
+    finally:
+        s.kill_all()
