@@ -58,9 +58,9 @@ def test_a_cpu_model_change_makes_a_new_snapshot_and_old_ones_keep_theirs(tmp_pa
         return SnapshotBuilder(root=tmp_path, mem_dir=tmp_path, sock_dir=tmp_path, slots=None,  # type: ignore[arg-type]
                                accel=accel, boot_timeout_s=1, tb_size_mb=32, tcg_cpu=cpu)
 
-    assert builder("max").snapshot_dir(t, 1, 512) != builder("max,-avx").snapshot_dir(t, 1, 512)
+    assert builder("max").snapshot_dir(t, 1, 512) != builder("max,-erms").snapshot_dir(t, 1, 512)
     kvm = AccelInfo("kvm", "test")  # the guest gets the host's CPU: the TCG model is irrelevant
-    assert builder("max", kvm).snapshot_dir(t, 1, 512) == builder("max,-avx", kvm).snapshot_dir(t, 1, 512)
+    assert builder("max", kvm).snapshot_dir(t, 1, 512) == builder("max,-erms", kvm).snapshot_dir(t, 1, 512)
 
     old = _snapshot(builder("max"), tmp_path / "old", tmp_path / "old.mem")
     meta = old.dir / "meta.json"

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-# The guest CPU under TCG: QEMU's "max" model without AVX. TCG emulates the 256-bit AVX state
-# and the AVX2 code paths glibc then picks (string functions, memcpy) more slowly than their
-# SSE ones, so AVX makes every command slower: `bash -l -c true` and the E2B command round trip
-# measured ~20% faster without it (docs/mechanisms/machines.md). Software that requires AVX
-# still runs where the host has KVM (``-cpu host``), or with AENV_TCG_CPU=max. A saved machine
-# is restored with the model it was saved with (TemplateSnapshot.tcg_cpu), never this default.
-DEFAULT_TCG_CPU = "max,-avx,-avx2,-fma,-f16c,-vaes"
+# The guest CPU under TCG: QEMU's "max" model without ERMS ("enhanced rep movsb"). With ERMS the
+# guest kernel copies to and from user memory, and glibc's memcpy copies large blocks, with
+# `rep movsb`, which TCG runs one byte per iteration; without it they use `rep movsq` or vector
+# loops, 8+ bytes per iteration. Copying a 30 MB file measured ~1.8x faster inside the guest
+# (docs/mechanisms/machines.md). A saved machine is restored with the model it was saved with
+# (TemplateSnapshot.tcg_cpu), never with this default.
+DEFAULT_TCG_CPU = "max,-erms"
 
 
 @dataclass(frozen=True)
