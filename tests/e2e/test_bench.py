@@ -11,6 +11,7 @@ import pytest
 
 from agentenv.bench.node import CACHE
 from agentenv.bench.scenarios import SCENARIOS
+from agentenv.vmm import DEFAULT_TCG_CPU
 from tests.framework import host
 
 pytestmark = pytest.mark.timeout(1500)
@@ -24,6 +25,7 @@ def test_bench_reports_every_metric_once_through() -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert report["accel"] in ("kvm", "tcg") and report["machine"]["cpus"] >= 1
+    assert report["guestCpu"] == ("host" if report["accel"] == "kvm" else DEFAULT_TCG_CPU)
     metrics = report["metrics"]
     always = {"cold_boot_ms", "template_snapshot_ms", "create_coldboot_ms"}  # measured on every run
     assert set(metrics) == set(SCENARIOS) | always, f"missing: {set(SCENARIOS) | always - set(metrics)}"
