@@ -13,9 +13,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from agentenv.vmm import DEFAULT_TCG_CPU
-
 Accel = Literal["auto", "kvm", "tcg"]
+
+# The guest CPU under TCG: QEMU's "max" model without ERMS ("enhanced rep movsb"). With ERMS the
+# guest kernel copies to and from user memory, and glibc's memcpy copies large blocks, with
+# `rep movsb`, which TCG runs one byte per iteration; without it they use `rep movsq` or vector
+# loops, 8+ bytes per iteration. Copying a 30 MB file measured ~1.8x faster inside the guest
+# (docs/mechanisms/machines.md). A saved machine is restored with the model it was saved with
+# (TemplateSnapshot.tcg_cpu), never with this default.
+DEFAULT_TCG_CPU = "max,-erms"
 
 
 def _env(name: str, default: str) -> str:
@@ -90,7 +96,7 @@ class Settings:
             boot_timeout_s=float(_env("AENV_BOOT_TIMEOUT", str(d.boot_timeout_s))),
             restore_timeout_s=float(_env("AENV_RESTORE_TIMEOUT", str(d.restore_timeout_s))),
             tcg_tb_size_mb=int(_env("AENV_TCG_TB_MB", str(d.tcg_tb_size_mb))),
-            tcg_cpu=_env("AENV_TCG_CPU", d.tcg_cpu),
+            tcg_cpu=_env("AENV_TCG_CPU", d.tcg_cpu) or d.tcg_cpu,
             guest_aslr=_env("AENV_GUEST_ASLR", "0") in ("1", "true", "on"),
             faults=frozenset(f for f in _env("AENV_FAULTS", "").split(",") if f),
             domain=os.environ.get("AENV_DOMAIN") or None,

@@ -11,7 +11,7 @@ import pytest
 
 from agentenv.bench.node import CACHE
 from agentenv.bench.scenarios import SCENARIOS
-from agentenv.vmm import DEFAULT_TCG_CPU
+from agentenv.config import DEFAULT_TCG_CPU
 from tests.framework import host
 
 pytestmark = pytest.mark.timeout(1500)

@@ -11,13 +11,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from agentenv.vmm import DEFAULT_TCG_CPU
+from agentenv.config import DEFAULT_TCG_CPU
 from tests.e2e.conftest import run
+from tests.e2e.test_saved_states import COUNTER, counter
 from tests.framework import host
 from tests.framework.net import node_cidr
 from tests.framework.server import ServerProcess
-
-COUNTER = "nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &"
 
 
 def _cpu_arg(sid: str) -> str:
@@ -54,9 +53,9 @@ def test_saved_state_resumes_with_the_cpu_it_was_saved_with(tmp_path: Path) -> N
         with s.client() as api:
             details = api.get("/health/details").json()
             assert api.post(f"/sandboxes/{sid}/resume", json={"timeout": 600}).status_code == 201
-            before = int(run(api, sid, "cat /tmp/count")["stdout"])
+            before = counter(api, sid)
             time.sleep(1)
-            assert int(run(api, sid, "cat /tmp/count")["stdout"]) > before, "the counter stopped"
+            assert counter(api, sid) > before, "the counter stopped"
             assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "kept\n"
             r = api.post("/sandboxes", json={"templateID": "first-cpu", "timeout": 600})
             assert r.status_code == 201, r.text

@@ -12,12 +12,14 @@ from tests.e2e.conftest import run
 from tests.framework import host
 from tests.framework.server import ServerProcess, all_sandboxes
 
-COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done' "
+# The counter appends: a file rewritten in place (truncate, then write) reads empty when the
+# sandbox is frozen, or read, between the two.
+COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i >> /tmp/counter; sleep 0.05; done' "
            ">/dev/null 2>&1 & echo $!")
 
 
 def counter(api: httpx.Client, sid: str) -> int:
-    return int(run(api, sid, "cat /tmp/counter")["stdout"])
+    return int(run(api, sid, "tail -n1 /tmp/counter")["stdout"])
 
 
 def state(api: httpx.Client, sid: str) -> str:
@@ -89,7 +91,7 @@ def test_fifty_pause_resume_cycles_lose_nothing(api: httpx.Client) -> None:
             assert api.post(f"/sandboxes/{sid}/pause").status_code == 204, i
             r = api.post(f"/sandboxes/{sid}/resume", json={"timeout": 900})
             assert r.status_code == 201, (i, r.text)
-            out = run(api, sid, "cat /tmp/counter; cat /home/user/cycles/* | sort -n | tr '\\n' ' '")["stdout"]
+            out = run(api, sid, "tail -n1 /tmp/counter; cat /home/user/cycles/* | sort -n | tr '\\n' ' '")["stdout"]
             value, files = out.split("\n", 1)
             assert int(value) >= last, (i, value, last)
             last = int(value)

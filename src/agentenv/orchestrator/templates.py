@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.config import DEFAULT_TCG_CPU
 from agentenv.envd_client import EnvdClient, EnvdUnavailable
 from agentenv.errors import GuestError, InvalidRequest, TemplateNotFound
 from agentenv.images import GuestArtifacts
@@ -32,7 +33,7 @@ from agentenv.storage import (
     seal_readonly,
 )
 from agentenv.storage.template_snapshot import TMP_SUFFIX
-from agentenv.vmm import DEFAULT_TCG_CPU, AccelInfo, Machine, MachineSpec
+from agentenv.vmm import AccelInfo, Machine, MachineSpec
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-# The guest CPU under TCG: QEMU's "max" model without ERMS ("enhanced rep movsb"). With ERMS the
-# guest kernel copies to and from user memory, and glibc's memcpy copies large blocks, with
-# `rep movsb`, which TCG runs one byte per iteration; without it they use `rep movsq` or vector
-# loops, 8+ bytes per iteration. Copying a 30 MB file measured ~1.8x faster inside the guest
-# (docs/mechanisms/machines.md). A saved machine is restored with the model it was saved with
-# (TemplateSnapshot.tcg_cpu), never with this default.
-DEFAULT_TCG_CPU = "max,-erms"
+from agentenv.config import DEFAULT_TCG_CPU
 
 
 @dataclass(frozen=True)

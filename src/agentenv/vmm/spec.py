@@ -6,7 +6,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentenv.vmm.accel import DEFAULT_TCG_CPU, AccelInfo
+from agentenv.config import DEFAULT_TCG_CPU
+from agentenv.vmm.accel import AccelInfo
 from agentenv.vmm.kernel_stub import restore_stub
 
 
