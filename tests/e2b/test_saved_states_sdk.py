@@ -10,7 +10,7 @@ SYNC = """
     from e2b import Sandbox, SandboxQuery, SandboxState
     o = {}
     sb = Sandbox.create(timeout=300, metadata={"suite": "saved"})
-    sb.commands.run("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done' >/dev/null 2>&1 &")
+    sb.commands.run("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i >> /tmp/c; sleep 0.05; done' >/dev/null 2>&1 &")
     sb.files.write("/home/user/keep.txt", "kept")
     o["pause"] = sb.pause()
     o["pause_again"] = Sandbox.pause(sb.sandbox_id) if hasattr(Sandbox, "pause") else None
@@ -20,8 +20,8 @@ SYNC = """
     again = Sandbox.connect(sb.sandbox_id, timeout=300)
     o["resumed_same_id"] = again.sandbox_id == sb.sandbox_id
     o["running_after"] = again.is_running()
-    c1 = int(again.commands.run("cat /tmp/c").stdout); time.sleep(0.3)
-    o["counter_goes_on"] = int(again.commands.run("cat /tmp/c").stdout) > c1
+    c1 = int(again.commands.run("tail -n1 /tmp/c").stdout); time.sleep(0.3)
+    o["counter_goes_on"] = int(again.commands.run("tail -n1 /tmp/c").stdout) > c1
     o["file"] = again.files.read("/home/user/keep.txt")
     snap = again.create_snapshot(name="sdk-snap-VERSION")
     o["snap_names"] = snap.names
