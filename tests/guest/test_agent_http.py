@@ -544,3 +544,35 @@ async def test_files_compose(http: httpx.AsyncClient, client: EnvdClient, tmp_pa
     await client.init(sandbox_id="s", template_id="t", env_vars={}, access_token="tok")
     resp = await http.post("/files/compose", json={"source_paths": [str(tmp_path / "a")], "destination": str(tmp_path / "b")})
     assert resp.status_code == 401 and (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 64, 4096, 1 << 20])
+async def test_multipart_bodies_survive_any_split_and_are_never_changed_after_handover(
+        monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """The parser hands its buffer itself to the consumer instead of a copy (each copy of an
+    upload costs as much as its write under emulation). Whatever the network's read sizes, each
+    part's bytes come out exact, including look-alikes of the delimiter, and a piece already
+    handed over is never touched again: the pieces are kept, not copied, and joined at the end."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "src" / "agentenv" / "guest"))
+    monkeypatch.delitem(sys.modules, "agentlib.fsutil", raising=False)
+    from agentlib.fsutil import Multipart
+
+    # Bodies hold partial look-alikes of the delimiter (a whole one would end the part).
+    first = b"start\r\n--boun" + bytes(range(256)) * 12 + b"\r\n--bou" + b"x" * 5000 + b"\r\n-"
+    second = bytes(range(255, -1, -1)) * 300 + b"\r\n--boun" + b"end\r\n"
+    body = (b"preamble\r\n--bound\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n\r\n" + first
+            + b"\r\n--bound\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b\"\r\n\r\n" + second
+            + b"\r\n--bound--\r\nepilogue")
+
+    async def chunks():  # type: ignore[no-untyped-def]
+        for i in range(0, len(body), chunk):
+            yield body[i:i + chunk]
+
+    got = []
+    async for headers, part in Multipart(chunks(), "bound").parts():
+        pieces = [piece async for piece in part]
+        got.append((headers["content-disposition"], b"".join(pieces)))
+    assert [g[1] for g in got] == [first, second]
+    assert got[1][0].endswith('filename="b"')

@@ -179,16 +179,21 @@ class Multipart:
         except StopAsyncIteration:
             raise HttpError(400, "truncated multipart body") from None
 
-    async def _until_delimiter(self) -> AsyncIterator[bytes]:
+    async def _until_delimiter(self) -> AsyncIterator[bytearray]:
+        """The body up to the next delimiter. Each piece is the buffer itself, handed over
+        (the parser starts a new buffer with what follows): under emulation every copy of an
+        upload's bytes costs as much as the write, so a piece is never copied out."""
         keep = len(self._delimiter) - 1
         while (index := self._buf.find(self._delimiter)) < 0:
             if len(self._buf) > keep:
-                yield bytes(self._buf[:-keep])
-                del self._buf[:-keep]
+                piece, self._buf = self._buf, self._buf[-keep:]
+                del piece[-keep:]
+                yield piece
             await self._fill()
-        if index:
-            yield bytes(self._buf[:index])
-        del self._buf[:index + len(self._delimiter)]
+        piece, self._buf = self._buf, self._buf[index + len(self._delimiter):]
+        del piece[index:]
+        if piece:
+            yield piece
 
     async def parts(self) -> AsyncIterator[tuple[dict[str, str], AsyncIterator[bytes]]]:
         """Yield ``(headers, body)``; an unconsumed body is skipped before the next part."""
@@ -223,6 +228,17 @@ def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def write_pieces(fd: int, pieces: list[bytes | bytearray]) -> None:
+    """Write the pieces in order with ``writev``: no copy to join them first."""
+    views = [memoryview(p) for p in pieces if p]
+    while views:
+        n = os.writev(fd, views[:1024])  # IOV_MAX
+        while n and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
 
 
 def open_upload_target(path: str, user: User) -> tuple[int, str | None, str]:
