@@ -523,6 +523,22 @@ async def test_ranged_download(http: httpx.AsyncClient, tmp_path: Path) -> None:
     assert resp.status_code == 200 and resp.content == data
 
 
+async def test_downloads_of_empty_and_large_files_are_exact_and_keep_the_connection(
+        http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Downloads are sent with sendfile(2) (no copy through the agent's Python): an empty file,
+    one larger than the socket buffers, and the next request on the same connection."""
+    (tmp_path / "empty").write_bytes(b"")
+    big = os.urandom(5 * 1024 * 1024 + 17)
+    (tmp_path / "big").write_bytes(big)
+    for _ in range(2):
+        for name, data in (("empty", b""), ("big", big)):
+            resp = await http.get("/files", params={"path": str(tmp_path / name)},
+                                  headers={"Accept-Encoding": "identity"})
+            assert resp.status_code == 200, name
+            assert resp.headers["content-length"] == str(len(data))
+            assert resp.content == data, name
+
+
 async def test_files_compose(http: httpx.AsyncClient, client: EnvdClient, tmp_path: Path) -> None:
     for i in range(3):
         (tmp_path / f"part{i}").write_bytes(f"<{i}>".encode() * 1000)
