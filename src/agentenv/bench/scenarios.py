@@ -290,7 +290,7 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
                 if registry is not None:
                     registry.stop()
     return {"accel": accel_info.accel, "accelReason": accel_info.reason,
-            "guestCpu": Settings.from_env().tcg_cpu if accel_info.accel == "tcg" else "host",
+            "guestCpu": accel_info.cpu_model(Settings.from_env().tcg_cpu),
             "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
                         "memoryGiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
             "metrics": metrics}

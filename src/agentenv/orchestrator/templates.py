@@ -139,7 +139,7 @@ class SnapshotBuilder:
     @property
     def cpu_model(self) -> str:
         """The -cpu of new snapshots: the TCG model, or "host" under KVM."""
-        return self.tcg_cpu if self.accel.accel == "tcg" else "host"
+        return self.accel.cpu_model(self.tcg_cpu)
 
     def remove_stale(self, catalog: TemplateCatalog, keep: set[str]) -> list[str]:
         """Remove template snapshots built from inputs that are no longer current (an image or

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from agentenv.config import DEFAULT_TCG_CPU
-
 
 @dataclass(frozen=True)
 class AccelInfo:
@@ -36,10 +34,13 @@ class AccelInfo:
             args.append("norandmaps")
         return args
 
-    def qemu_args(self, tb_size_mb: int, tcg_cpu: str = DEFAULT_TCG_CPU) -> list[str]:
-        if self.accel == "kvm":
-            return ["-accel", "kvm", "-cpu", "host"]
-        return ["-accel", f"tcg,thread=multi,tb-size={tb_size_mb}", "-cpu", tcg_cpu]
+    def cpu_model(self, tcg_cpu: str) -> str:
+        """QEMU's -cpu: the host's CPU under KVM, the configured model under TCG."""
+        return "host" if self.accel == "kvm" else tcg_cpu
+
+    def qemu_args(self, tb_size_mb: int, tcg_cpu: str) -> list[str]:
+        accel = "kvm" if self.accel == "kvm" else f"tcg,thread=multi,tb-size={tb_size_mb}"
+        return ["-accel", accel, "-cpu", self.cpu_model(tcg_cpu)]
 
 
 def host_tsc_khz() -> int:
