@@ -15,7 +15,11 @@ from agentenv.orchestrator import Orchestrator
 from agentenv.proxy import ProxyMiddleware, SandboxProxy
 
 
-def create_app(orch: Orchestrator, api_key: str) -> FastAPI:
+def create_app(orch: Orchestrator, api_key: str) -> ProxyMiddleware:
+    """The API, behind the sandbox proxy. Requests for a sandbox port ({port}-{id}.{domain}
+    Host, or E2b-Sandbox-Id/-Port headers as E2B SDKs send them with E2B_SANDBOX_URL) go to the
+    proxy before FastAPI sees them: a command's round trip does not pay for the framework's
+    middleware stack on every message of its streamed response."""
     proxy = SandboxProxy(orch, orch.settings.domain)
 
     @asynccontextmanager
@@ -34,11 +38,7 @@ def create_app(orch: Orchestrator, api_key: str) -> FastAPI:
 
     app = FastAPI(title="AgentENV API", version=__version__, lifespan=lifespan)
     app.state.orch = orch
-    app.state.proxy = proxy
     app.state.api_key = api_key  # signs the upload urls of template builds (routes/templates.py)
-    # Requests for a sandbox port ({port}-{id}.{domain} Host, or E2b-Sandbox-Id/-Port headers
-    # as E2B SDKs send them with E2B_SANDBOX_URL) never reach the routes below.
-    app.add_middleware(ProxyMiddleware, proxy=proxy)
     errors.install(app)
 
     @app.exception_handler(_Unauthorized)
@@ -52,7 +52,7 @@ def create_app(orch: Orchestrator, api_key: str) -> FastAPI:
     app.include_router(images.router, dependencies=[Depends(require_key)])
     app.include_router(templates.router, dependencies=[Depends(require_key)])
     app.include_router(templates.uploads)  # its own token in the url, like a pre-signed url
-    return app
+    return ProxyMiddleware(app, proxy)
 
 
 class _Unauthorized(Exception):
