@@ -48,7 +48,7 @@ class Settings:
     slot_pool_size: int = 16  # network namespaces kept ready: a fork of max_fork children waits for none
     boot_timeout_s: float = 120.0  # cold boot until the agent answers (TCG is slow)
     restore_timeout_s: float = 20.0  # restore until the agent answers
-    tcg_tb_size_mb: int = 32  # TCG translation cache per VM; bounds host memory per sandbox
+    tcg_tb_size_mb: int = 128  # TCG translation cache per VM (MiB, filled as used): see machines.md
     tcg_cpu: str = DEFAULT_TCG_CPU  # QEMU -cpu under TCG for new template snapshots (see above)
     guest_aslr: bool = False  # under TCG, ASLR in the guest makes every exec 2-3x slower
     max_fork: int = 16  # children per fork call

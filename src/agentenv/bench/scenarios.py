@@ -164,6 +164,36 @@ def bench_exec(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[
         api.delete(f"/sandboxes/{sid}")
 
 
+# One turn of a coding agent's rollout, over and over: Python, git, ls and a bare command.
+TOOL_CALLS: dict[str, str | list[str]] = {
+    "python": "python3 -c 'import json, subprocess, pathlib; print(1)'",
+    "git": "git --version",
+    "ls": "ls -la /usr/bin | wc -l",
+    "true": ["true"],
+}
+
+
+def bench_tool_calls(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
+    """Round trips in a sandbox that runs a mix of programs, as a rollout does. Under TCG what
+    each costs depends on whether the guest code of all of them fits in the VM's translation
+    cache (AENV_TCG_TB_MB): when it does not, every turn retranslates the lot. Baseline in the
+    same run: ``exec_rtt_ms``, the same ``true`` in a sandbox that runs nothing else."""
+    _wait_pool(node, api)
+    sid, _ = _create(api)
+    _wait_pool(node, api)
+    out: dict[str, list[float]] = {"tool_call_python_ms": [], "tool_call_true_ms": []}
+    try:
+        for turn in range(2 + max(runs, 10)):  # two turns to warm up
+            for name, cmd in TOOL_CALLS.items():
+                t0 = time.perf_counter()
+                api.post(f"/sandboxes/{sid}/exec", json={"cmd": cmd}).raise_for_status()
+                if turn >= 2 and f"tool_call_{name}_ms" in out:
+                    out[f"tool_call_{name}_ms"].append(_ms(t0))
+        return out
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
 def _pss_parts_kb(pid: int) -> tuple[int, int]:
     """PSS of the guest-RAM mapping (the template's memory file: what the guest itself costs)
     and of TCG's translation cache (QEMU's one anonymous read-write-execute mapping; none
@@ -220,6 +250,8 @@ SCENARIOS: dict[str, Scenario] = {
     "exec_rtt_ms": bench_exec,
     "guest_true_ms": bench_exec,
     "exec_rtt_after_1000_ms": bench_exec,
+    "tool_call_python_ms": bench_tool_calls,
+    "tool_call_true_ms": bench_tool_calls,
     "idle_pss_mb": bench_idle_pss,
     "idle_guest_ram_pss_mb": bench_idle_pss,
     "idle_tcg_cache_pss_mb": bench_idle_pss,

@@ -35,7 +35,7 @@ class MachineSpec:
     guest_mac: str = ""  # the network layer chooses the guest link's addresses
     guest_ip: str = ""  # address/prefix, configured by the guest init from the command line
     guest_gw: str = ""
-    tb_size_mb: int = 32
+    tb_size_mb: int = 128
     tcg_cpu: str = DEFAULT_TCG_CPU  # a restore must use the model its state was saved with
     kernel_args: tuple[str, ...] = field(default_factory=tuple)
     guest_aslr: bool = False
