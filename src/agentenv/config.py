@@ -51,6 +51,7 @@ class Settings:
     tcg_tb_size_mb: int = 128  # TCG translation cache per VM (MiB, filled as used): see machines.md
     tcg_cpu: str = DEFAULT_TCG_CPU  # QEMU -cpu under TCG for new template snapshots (see above)
     guest_aslr: bool = False  # under TCG, ASLR in the guest makes every exec 2-3x slower
+    ksm: bool = False  # merge identical pages across QEMU processes (one tenant only: vmm/ksm.py)
     max_fork: int = 16  # children per fork call
     max_memory_layers: int = 8  # a longer memory chain is compacted into one layer
     max_disk_layers: int = 16  # a longer disk chain is streamed into the sandbox's overlay
@@ -98,6 +99,7 @@ class Settings:
             tcg_tb_size_mb=int(_env("AENV_TCG_TB_MB", str(d.tcg_tb_size_mb))),
             tcg_cpu=_env("AENV_TCG_CPU", d.tcg_cpu) or d.tcg_cpu,
             guest_aslr=_env("AENV_GUEST_ASLR", "0") in ("1", "true", "on"),
+            ksm=_env("AENV_KSM", "0") in ("1", "true", "on"),
             faults=frozenset(f for f in _env("AENV_FAULTS", "").split(",") if f),
             domain=os.environ.get("AENV_DOMAIN") or None,
             tls_cert=Path(os.environ["AENV_TLS_CERT"]) if os.environ.get("AENV_TLS_CERT") else None,

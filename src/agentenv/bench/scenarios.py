@@ -26,6 +26,7 @@ from agentenv.bench.e2b_sdk import (
     bench_e2b_tti,
 )
 from agentenv.bench.images import bench_pull, bench_template_build, make_pull_image
+from agentenv.bench.ksm import KSM_CIDR, bench_idle_pss_ksm
 from agentenv.bench.node import CACHE, LocalNode, pss_kb, qemu_pids, scratch_host
 from agentenv.bench.registry import LocalRegistry
 from agentenv.bench.saved_states import (
@@ -255,6 +256,7 @@ SCENARIOS: dict[str, Scenario] = {
     "idle_pss_mb": bench_idle_pss,
     "idle_guest_ram_pss_mb": bench_idle_pss,
     "idle_tcg_cache_pss_mb": bench_idle_pss,
+    "idle_pss_ksm_mb": bench_idle_pss_ksm,  # a second node with AENV_KSM=on (bench/ksm.py)
     **{f"{op}_{mib}mib_ms": bench_pause_resume for op in ("pause", "resume") for mib in (20, 200)},
     "snapshot_1gib_disk_ms": bench_snapshot_disk,
     "snapshot_idle_ms": bench_snapshot_disk,
@@ -286,7 +288,7 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
     # Left by a benchmark killed earlier (SIGKILL: no teardown): its VMs and its address blocks.
     for pid in find_qemu_pids(os.path.join(tempfile.gettempdir(), "aenv-bench-")):
         kill_pid(pid)
-    for cidr in (BENCH_CIDR, COLD_CIDR, MIGRATE_CIDR):
+    for cidr in (BENCH_CIDR, COLD_CIDR, MIGRATE_CIDR, KSM_CIDR):
         remove_slots_in(cidr)
     with tempfile.TemporaryDirectory(prefix="aenv-bench-") as tmpd:
         tmp = Path(tmpd)

@@ -41,7 +41,7 @@ from agentenv.storage import (
     backing_chain,
     remove_tree,
 )
-from agentenv.vmm import AccelInfo, detect_accel
+from agentenv.vmm import AccelInfo, detect_accel, ksm
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,9 @@ class Orchestrator:
         from agentenv.orchestrator.recovery import recover
 
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        if self.settings.ksm:  # before the first QEMU starts: the mark is inherited at fork
+            await asyncio.to_thread(ksm.merge_children)
+            log.info("KSM on: QEMU processes are mergeable; ksmd scans at the host's rate")
         await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr)
         await recover(self)
         await self.builds.start()
@@ -537,6 +540,12 @@ class Orchestrator:
     def template_created_at(self, name: str) -> float:
         """When the template's definition was last written (unix seconds)."""
         return (self.catalog.root / name / "template.json").stat().st_mtime
+
+    def memory_merging(self) -> dict[str, object]:
+        """Whether this server marks its QEMU processes for KSM, and the host's KSM figures."""
+        st = ksm.stats()
+        return {"enabled": self.settings.ksm, "ksmdRunning": bool(st and st.running),
+                "pagesSharing": st.pages_sharing if st else 0, "profitBytes": st.profit_bytes if st else 0}
 
     def guest_address(self, sandbox_id: str) -> str:
         """The address at which the host reaches every port of a running sandbox's guest."""

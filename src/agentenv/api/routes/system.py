@@ -28,6 +28,7 @@ async def health_details(request: Request) -> dict[str, object]:
         "accelReason": orch.accel.reason,
         "accelForced": orch.accel.forced,
         "cpu": orch.snapshots.cpu_model,  # QEMU -cpu of new template snapshots
+        "ksm": orch.memory_merging(),  # AENV_KSM: identical pages merged across sandboxes
         "sandboxes": counts,
         "maxSandboxes": orch.settings.max_sandboxes,
         "poolReady": orch.pool.fill_level()[0],
