@@ -79,6 +79,22 @@ def check_shm(mem_root: Path) -> Check:
     return Check("/dev/shm", True, f"{base} writable, {free:.1f} GiB free")
 
 
+def check_ksm(enabled: bool) -> Check:
+    """KSM is opt-in (AENV_KSM=on); when asked for, the server refuses to start without it."""
+    from agentenv.vmm import ksm
+
+    why = ksm.unsupported_reason()
+    if not enabled:
+        can = "this host supports it" if why is None else f"this host cannot: {why}"
+        return Check("KSM", True, f"off (AENV_KSM=on merges equal pages across one tenant's sandboxes; {can})",
+                     required=False)
+    if why is not None:
+        return Check("KSM", False, f"AENV_KSM=on, but {why}; the server will not start with it")
+    st = ksm.stats()
+    running = "ksmd runs" if st and st.running else "ksmd is off (the server switches it on)"
+    return Check("KSM", True, f"on: QEMU processes will be mergeable; {running}")
+
+
 def check_images(cache: Path) -> Check:
     from agentenv.images import artifacts_present
 
@@ -120,6 +136,7 @@ def run_checks(settings: Any, url: str, key: str | None) -> list[Check]:
         check_tool("qemu-img", ["--version"]),
         check_accel(settings.accel),
         check_shm(settings.mem_root),
+        check_ksm(settings.ksm),
         check_images(settings.cache),
         check_tool("nft", ["--version"]),
         check_tool("ip", ["-V"]),

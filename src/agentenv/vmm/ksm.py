@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,14 @@ from agentenv.errors import VmmError
 
 KSM_SYSFS = Path("/sys/kernel/mm/ksm")
 PR_SET_MEMORY_MERGE = 67
+NO_KSM = "this kernel has no KSM (CONFIG_KSM, /sys/kernel/mm/ksm)"
+NO_PRCTL = "prctl(PR_SET_MEMORY_MERGE) failed: it needs Linux 6.4 or later"
+NOT_ACROSS_EXEC = ("the mark does not survive exec on this kernel (Linux 6.7 or later keeps it), so QEMU "
+                   "processes would not be merged")
+# A child marks itself and execs a reader of its own KSM state: the caller stays unmarked.
+_PROBE = ("import ctypes, os, sys\n"
+          f"if ctypes.CDLL(None).prctl({PR_SET_MEMORY_MERGE}, 1, 0, 0, 0) != 0: sys.exit(3)\n"
+          "os.execvp('cat', ['cat', '/proc/self/ksm_stat'])")
 
 
 @dataclass(frozen=True)
@@ -51,18 +60,28 @@ def stats() -> KsmStats | None:
                     pages_sharing=read("pages_sharing"), profit_bytes=read("general_profit"))
 
 
+def unsupported_reason() -> str | None:
+    """Why this host cannot merge QEMU processes' pages, or None. Blocking; changes nothing."""
+    if not (KSM_SYSFS / "run").exists():
+        return NO_KSM
+    probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=False)
+    if probe.returncode == 3:
+        return NO_PRCTL
+    if "ksm_merge_any: yes" not in probe.stdout:
+        return NOT_ACROSS_EXEC
+    return None
+
+
 def merge_children() -> None:
     """Mark this process, and so every QEMU it starts from now on, as mergeable, and make sure
     ``ksmd`` runs. Blocking (it runs a probe process). Raises VmmError saying what is missing."""
     if not (KSM_SYSFS / "run").exists():
-        raise VmmError("AENV_KSM=on, but this kernel has no KSM (CONFIG_KSM, /sys/kernel/mm/ksm)")
+        raise VmmError(f"AENV_KSM=on, but {NO_KSM}")
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise VmmError(f"AENV_KSM=on, but prctl(PR_SET_MEMORY_MERGE) failed ({err}): it needs Linux 6.4 or later")
+        raise VmmError(f"AENV_KSM=on, but {NO_PRCTL} (errno {ctypes.get_errno()})")
     probe = subprocess.run(["cat", "/proc/self/ksm_stat"], capture_output=True, text=True, check=False)
     if "ksm_merge_any: yes" not in probe.stdout:
-        raise VmmError("AENV_KSM=on, but the mark does not survive exec on this kernel (Linux 6.7 or later "
-                       "keeps it), so QEMU processes would not be merged")
+        raise VmmError(f"AENV_KSM=on, but {NOT_ACROSS_EXEC}")
     if (KSM_SYSFS / "run").read_text().strip() != "1":
         (KSM_SYSFS / "run").write_text("1\n")
