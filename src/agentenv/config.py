@@ -40,6 +40,7 @@ class Settings:
     accel: Accel = "auto"
     slot_cidr: str = "10.213.0.0/16"  # host-side addresses of sandbox namespaces, a /30 each
     max_sandboxes: int = 64
+    mem_reserve_mb: int = 1024  # host memory new sandboxes never eat into (orchestrator/capacity.py)
     max_vcpus: int = 8
     max_memory_mb: int = 8192
     default_timeout_s: int = 300
@@ -86,6 +87,7 @@ class Settings:
             accel=_env("AENV_ACCEL", d.accel),  # type: ignore[arg-type]
             slot_cidr=_env("AENV_SLOT_CIDR", d.slot_cidr),
             max_sandboxes=int(_env("AENV_MAX_SANDBOXES", str(d.max_sandboxes))),
+            mem_reserve_mb=int(_env("AENV_MEM_RESERVE_MB", str(d.mem_reserve_mb))),
             pool_size=int(_env("AENV_POOL_SIZE", str(d.pool_size))),
             slot_pool_size=int(_env("AENV_SLOT_POOL_SIZE", str(d.slot_pool_size))),
             api_key=os.environ.get("AENV_API_KEY"),

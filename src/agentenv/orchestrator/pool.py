@@ -22,8 +22,10 @@ ShellFactory = Callable[[TemplateSnapshot], Awaitable[Shell]]
 
 
 class WarmPool:
-    def __init__(self, size: int, factory: ShellFactory, slots: SlotPool, fill_concurrency: int = 2) -> None:
+    def __init__(self, size: int, factory: ShellFactory, slots: SlotPool, fill_concurrency: int = 2,
+                 may_grow: Callable[[], bool] = lambda: True) -> None:
         self.size = size
+        self._may_grow = may_grow  # False while the host is short of memory: the pool waits
         self.fill_concurrency = fill_concurrency
         self._factory = factory
         self._slots = slots
@@ -81,6 +83,11 @@ class WarmPool:
             for key, snap in list(self._hot.items()):
                 shells = self._shells.setdefault(key, [])
                 while len(shells) < self.size and snap.mem_file.exists():
+                    if not self._may_grow():
+                        log.warning("warm pool: not refilling while the host is short of memory")
+                        await asyncio.sleep(5.0)
+                        self._wake.set()
+                        break
                     batch = min(self.fill_concurrency, self.size - len(shells))
                     results = await asyncio.gather(*(self._factory(snap) for _ in range(batch)),
                                                    return_exceptions=True)

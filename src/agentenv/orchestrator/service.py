@@ -26,6 +26,7 @@ from agentenv.errors import (
 )
 from agentenv.images.registry import RegistrySettings
 from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
+from agentenv.orchestrator.capacity import memory_shortfall
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.idempotency import CreateOnce
 from agentenv.orchestrator.lifecycle import ACTIVE, State, allowed
@@ -61,7 +62,8 @@ class Orchestrator:
             tcg_cpu=settings.tcg_cpu,
             guest_aslr=settings.guest_aslr,
         )
-        self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots)
+        self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots,
+                             may_grow=lambda: memory_shortfall(settings.mem_reserve_mb) is None)
         self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
         self.repo = SnapshotRepository(settings.repository)
         self.checkpoints = Checkpointer(
@@ -180,6 +182,8 @@ class Orchestrator:
             raise CapacityExhausted(
                 f"this node runs {active} of its maximum of {self.settings.max_sandboxes} sandboxes; "
                 f"kill or pause some, or retry later")
+        if why := memory_shortfall(self.settings.mem_reserve_mb, more):
+            raise CapacityExhausted(f"{why}: kill or pause some sandboxes, or retry later", retry_after=5)
 
     async def create(self, template: str, *, vcpus: int | None = None, memory_mb: int | None = None,
                      timeout_s: int | None = None, metadata: dict[str, str] | None = None,

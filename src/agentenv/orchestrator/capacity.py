@@ -1,0 +1,39 @@
+"""Admission by host memory, next to the count limit (``AENV_MAX_SANDBOXES``).
+
+Sandboxes overcommit: guest RAM is copy-on-write over the template's file and TCG's cache is
+filled as used, so a node holds far more sandboxes than its RAM divided by theirs. What it
+must not do is start one more when the host is nearly out of memory: the kernel's OOM killer
+would then pick a QEMU, and a running rollout would lose its sandbox. So creates, resumes,
+forks and the warm pool stop while the host's available memory is below a reserve, and the
+caller gets a typed "try again" (429) that says why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# What a new sandbox costs the host at the least: an idle one is ~58 MB under TCG
+# (docs/benchmarks.md, idle_pss_mb), less under KVM. A busy one grows from there.
+SANDBOX_MIN_MB = 64
+MEMINFO = Path("/proc/meminfo")
+
+
+def mem_available_mb() -> int | None:
+    """The kernel's estimate of memory available for new work (MemAvailable), or None."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_shortfall(reserve_mb: int, more: int = 1) -> str | None:
+    """Why ``more`` new sandboxes would eat into the reserve, or None when they fit."""
+    avail = mem_available_mb()
+    need = more * SANDBOX_MIN_MB
+    if avail is None or avail - need >= reserve_mb:
+        return None
+    return (f"the host has {avail} MiB of memory available and keeps {reserve_mb} MiB free "
+            f"(AENV_MEM_RESERVE_MB); {more} more sandbox{'es' if more > 1 else ''} need at least {need} MiB")
