@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentenv.vmm.ksm import KSM_SYSFS
+from agentenv.bench import ksm as bench_ksm
 from tests.e2e.conftest import run
 from tests.framework import host
 from tests.framework.net import node_cidr
@@ -35,15 +35,9 @@ def _ksm_stat(pid: int) -> dict[str, str]:
 
 @pytest.fixture
 def fast_ksmd() -> Iterator[None]:
-    knobs = ("run", "pages_to_scan", "sleep_millisecs")
-    saved = {k: (KSM_SYSFS / k).read_text().strip() for k in knobs}
-    (KSM_SYSFS / "pages_to_scan").write_text("5000\n")
-    (KSM_SYSFS / "sleep_millisecs").write_text("10\n")
-    try:
+    with bench_ksm.host_ksmd_settings_kept():
+        bench_ksm.scan_fast()
         yield
-    finally:
-        for k in reversed(knobs):
-            (KSM_SYSFS / k).write_text(saved[k] + "\n")
 
 
 def test_ksm_merges_equal_pages_of_sandboxes(tmp_path: Path, fast_ksmd: None) -> None:

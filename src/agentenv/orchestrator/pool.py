@@ -81,20 +81,26 @@ class WarmPool:
             await self._wake.wait()
             self._wake.clear()
             for key, snap in list(self._hot.items()):
-                shells = self._shells.setdefault(key, [])
-                while len(shells) < self.size and snap.mem_file.exists():
-                    if not self._may_grow():
-                        log.warning("warm pool: not refilling while the host is short of memory")
-                        await asyncio.sleep(5.0)
-                        self._wake.set()
-                        break
-                    batch = min(self.fill_concurrency, self.size - len(shells))
-                    results = await asyncio.gather(*(self._factory(snap) for _ in range(batch)),
-                                                   return_exceptions=True)
-                    failed = [r for r in results if isinstance(r, BaseException)]
-                    shells.extend(r for r in results if isinstance(r, Shell))
-                    if failed:
-                        log.error("warm pool could not make a shell for %s: %r", key, failed[0])
-                        await asyncio.sleep(1.0)
-                        self._wake.set()
-                        break
+                if not await self._fill(key, snap):
+                    break  # the host is short of memory: the next pass tries every template again
+
+    async def _fill(self, key: Path, snap: TemplateSnapshot) -> bool:
+        """Refill one snapshot's shells; False (after a pause) when the host is short of memory."""
+        shells = self._shells.setdefault(key, [])
+        while len(shells) < self.size and snap.mem_file.exists():
+            if not self._may_grow():
+                log.warning("warm pool: not refilling while the host is short of memory")
+                await asyncio.sleep(5.0)
+                self._wake.set()
+                return False
+            batch = min(self.fill_concurrency, self.size - len(shells))
+            results = await asyncio.gather(*(self._factory(snap) for _ in range(batch)),
+                                           return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            shells.extend(r for r in results if isinstance(r, Shell))
+            if failed:
+                log.error("warm pool could not make a shell for %s: %r", key, failed[0])
+                await asyncio.sleep(1.0)
+                self._wake.set()
+                break
+        return True
