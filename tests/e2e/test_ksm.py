@@ -72,7 +72,7 @@ def test_ksm_merges_equal_pages_of_sandboxes(tmp_path: Path, fast_ksmd: None) ->
             for sid in sids:
                 assert api.delete(f"/sandboxes/{sid}").status_code == 204
     finally:
-        s.stop()
+        s.kill_all()
 
 
 def test_qemu_is_not_mergeable_by_default(api: httpx.Client, sandbox: str) -> None:

@@ -39,4 +39,4 @@ def test_creates_and_the_pool_stop_above_the_memory_reserve(tmp_path: Path) -> N
             assert api.post(f"/sandboxes/{sid}/resume", json={"timeout": 600}).status_code == 201
             assert api.delete(f"/sandboxes/{sid}").status_code == 204
     finally:
-        s.stop()
+        s.kill_all()

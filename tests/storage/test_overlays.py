@@ -38,3 +38,21 @@ def test_a_failed_create_leaves_no_file(tmp_path: Path) -> None:
     with pytest.raises(StorageError):  # the backing file must exist without -u
         asyncio.run(create_overlay(tmp_path / "top.qcow2", tmp_path / "missing.raw", "raw"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_staging_folders_of_killed_creates_are_swept_and_live_ones_kept() -> None:
+    import os
+    import tempfile
+    import time
+
+    old = Path(tempfile.mkdtemp(prefix="aenv-qcow2-", dir=overlays.STAGING))
+    (old / "disk.qcow2").write_bytes(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    fresh = Path(tempfile.mkdtemp(prefix="aenv-qcow2-", dir=overlays.STAGING))
+    try:
+        removed = overlays.remove_stale_staging()
+        assert str(old) in removed and not old.exists()
+        assert str(fresh) not in removed and fresh.exists()
+    finally:
+        for d in (old, fresh):
+            subprocess.run(["rm", "-rf", str(d)], check=True)

@@ -11,9 +11,10 @@ from agentenv.network.slots import (
     SlotPool,
     host_firewall_down,
     host_firewall_up,
+    remove_node_network,
     remove_slots_in,
     set_egress,
 )
 
-__all__ = ["Slot", "SlotPool", "egress_cidrs", "host_firewall_down", "host_firewall_up", "remove_slots_in",
-           "set_egress"]
+__all__ = ["Slot", "SlotPool", "egress_cidrs", "host_firewall_down", "host_firewall_up", "remove_node_network",
+           "remove_slots_in", "set_egress"]

@@ -195,6 +195,19 @@ async def host_firewall_down(tag: str) -> None:
     await run(["nft", "delete", "table", "inet", f"aenv_{tag[:4]}"], check=False)
 
 
+async def remove_node_network(tag: str) -> list[str]:
+    """Every network object of the node ``tag``: its namespaces (a namespace takes its veth
+    pair and tap with it) and its host table. For a node that is gone for good; the caller
+    makes sure no live node shares the tag's first four characters, which name them."""
+    out = await run(["ip", "netns", "list"], check=False)
+    prefix = f"aenv-{tag[:4]}-"
+    removed = [n for line in out.splitlines() if (n := line.split()[0] if line.strip() else "").startswith(prefix)]
+    for name in removed:
+        await run(["ip", "netns", "del", name], check=False)
+    await host_firewall_down(tag)
+    return [*removed, f"nft table aenv_{tag[:4]}"]
+
+
 def remove_slots_in(cidr: str) -> list[str]:
     """Remove host veths and namespaces holding addresses of ``cidr``, whatever node made them.
 

@@ -26,6 +26,7 @@ from agentenv.errors import (
 )
 from agentenv.images.registry import RegistrySettings
 from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
+from agentenv.orchestrator import leftovers
 from agentenv.orchestrator.capacity import memory_shortfall
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.idempotency import CreateOnce
@@ -90,6 +91,8 @@ class Orchestrator:
         if self.settings.ksm:  # before the first QEMU starts: the mark is inherited at fork
             await asyncio.to_thread(ksm.merge_children)
             log.info("KSM on: QEMU processes are mergeable; ksmd scans at the host's rate")
+        await asyncio.to_thread(leftovers.record_owner, self.settings)
+        await leftovers.remove_leftovers(self.settings)
         await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr)
         await recover(self)
         await self.builds.start()

@@ -8,6 +8,7 @@ from agentenv.storage.overlays import (
     backing_chain,
     create_overlay,
     create_overlay_over,
+    remove_stale_staging,
     remove_tree,
     seal_readonly,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "create_overlay",
     "create_overlay_over",
     "new_checkpoint_id",
+    "remove_stale_staging",
     "remove_tree",
     "seal_readonly",
 ]

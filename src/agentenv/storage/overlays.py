@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from agentenv.errors import DiskFull, ExternalCommandError, StorageError
@@ -48,6 +49,20 @@ async def _qemu_img_create(path: Path, opts: list[str], size: str | None, what: 
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def remove_stale_staging(max_age_s: float = 600.0) -> list[str]:
+    """Staging folders a process killed mid-create left on tmpfs (one lives well under a
+    second). Blocking."""
+    removed = []
+    for d in STAGING.glob("aenv-qcow2-*") if STAGING.is_dir() else ():
+        try:
+            if time.time() - d.stat().st_mtime > max_age_s:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(str(d))
+        except OSError:
+            continue
+    return removed
 
 
 def seal_readonly(path: Path) -> None:
