@@ -5,7 +5,10 @@ filled as used, so a node holds far more sandboxes than its RAM divided by their
 must not do is start one more when the host is nearly out of memory: the kernel's OOM killer
 would then pick a QEMU, and a running rollout would lose its sandbox. So creates, resumes,
 forks and the warm pool stop while the host's available memory is below a reserve, and the
-caller gets a typed "try again" (429) that says why.
+caller gets a typed "try again" (429) that says why. Below the reserve itself, the warm pool
+also gives back the shells it holds (an idle restored sandbox each), so the memory goes to the
+running sandboxes instead of to ones nobody asked for yet; it refills once a new sandbox fits
+again (``SANDBOX_MIN_MB`` above the reserve, which keeps the two from alternating).
 """
 
 from __future__ import annotations
@@ -37,3 +40,9 @@ def memory_shortfall(reserve_mb: int, more: int = 1) -> str | None:
         return None
     return (f"the host has {avail} MiB of memory available and keeps {reserve_mb} MiB free "
             f"(AENV_MEM_RESERVE_MB); {more} more sandbox{'es' if more > 1 else ''} need at least {need} MiB")
+
+
+def below_reserve(reserve_mb: int) -> bool:
+    """Whether the host's available memory is already inside the reserve."""
+    avail = mem_available_mb()
+    return avail is not None and avail < reserve_mb

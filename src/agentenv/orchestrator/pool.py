@@ -8,6 +8,7 @@ background; a create that finds the pool empty makes its shell inline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,9 +24,12 @@ ShellFactory = Callable[[TemplateSnapshot], Awaitable[Shell]]
 
 class WarmPool:
     def __init__(self, size: int, factory: ShellFactory, slots: SlotPool, fill_concurrency: int = 2,
-                 may_grow: Callable[[], bool] = lambda: True) -> None:
+                 may_grow: Callable[[], bool] = lambda: True, must_shrink: Callable[[], bool] = lambda: False,
+                 check_interval_s: float = 2.0) -> None:
         self.size = size
         self._may_grow = may_grow  # False while the host is short of memory: the pool waits
+        self._must_shrink = must_shrink  # True while it is below its reserve: shells are given back
+        self.check_interval_s = check_interval_s
         self.fill_concurrency = fill_concurrency
         self._factory = factory
         self._slots = slots
@@ -78,11 +82,29 @@ class WarmPool:
 
     async def _keeper(self) -> None:
         while True:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):  # memory is looked at even when nothing wakes us
+                await asyncio.wait_for(self._wake.wait(), self.check_interval_s)
             self._wake.clear()
+            if await self._shrink():
+                continue
             for key, snap in list(self._hot.items()):
                 if not await self._fill(key, snap):
                     break  # the host is short of memory: the next pass tries every template again
+
+    async def _shrink(self) -> bool:
+        """While the host is below its memory reserve, destroy ready shells one at a time (from
+        the fullest template first), looking at the memory again after each. True if any went."""
+        given_back = 0
+        while self._must_shrink():
+            fullest = max(self._shells.values(), key=len, default=[])
+            if not fullest:
+                break
+            await fullest.pop().destroy(self._slots)
+            given_back += 1
+        if given_back:
+            log.warning("warm pool: the host is below its memory reserve; destroyed %d ready shell%s",
+                        given_back, "" if given_back == 1 else "s")
+        return given_back > 0
 
     async def _fill(self, key: Path, snap: TemplateSnapshot) -> bool:
         """Refill one snapshot's shells; False (after a pause) when the host is short of memory."""

@@ -27,7 +27,7 @@ from agentenv.errors import (
 from agentenv.images.registry import RegistrySettings
 from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
 from agentenv.orchestrator import leftovers
-from agentenv.orchestrator.capacity import memory_shortfall
+from agentenv.orchestrator.capacity import below_reserve, memory_shortfall
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.idempotency import CreateOnce
 from agentenv.orchestrator.lifecycle import ACTIVE, State, allowed
@@ -64,7 +64,8 @@ class Orchestrator:
             guest_aslr=settings.guest_aslr,
         )
         self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots,
-                             may_grow=lambda: memory_shortfall(settings.mem_reserve_mb) is None)
+                             may_grow=lambda: memory_shortfall(settings.mem_reserve_mb) is None,
+                             must_shrink=lambda: below_reserve(settings.mem_reserve_mb))
         self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
         self.repo = SnapshotRepository(settings.repository)
         self.checkpoints = Checkpointer(
