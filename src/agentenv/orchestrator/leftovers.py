@@ -74,12 +74,18 @@ def orphaned(nodes: list[NodeFolders]) -> tuple[list[NodeFolders], set[str]]:
     return gone, kept
 
 
+def _unrecorded_prefixes(run_root: Path, recorded: set[str]) -> set[str]:
+    """Network-name prefixes of nodes that recorded no owner (an older version): alive to us."""
+    return {d.name[:4] for d in run_root.iterdir() if d.is_dir() and d.name not in recorded}
+
+
 async def remove_leftovers(settings: Settings) -> list[str]:
     """Remove the host objects of other nodes whose data dir is gone (see the module doc)."""
     nodes = [n for n in await asyncio.to_thread(recorded_nodes, settings.sock_dir.parent)
              if n.tag != settings.instance_tag]
     gone, kept = await asyncio.to_thread(orphaned, nodes)
     kept.add(settings.instance_tag[:4])
+    kept |= await asyncio.to_thread(_unrecorded_prefixes, settings.sock_dir.parent, {n.tag for n in nodes})
     removed: list[str] = []
     for n in gone:
         if n.tag[:4] not in kept:
