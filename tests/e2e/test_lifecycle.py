@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.e2e.conftest import run
+from tests.e2e.conftest import ns_addr, run
 from tests.framework import host
 from tests.framework.server import ServerProcess
 
@@ -36,11 +37,24 @@ def test_create_run_kill_leaves_nothing(api: httpx.Client, server: ServerProcess
 
     pids = host.qemu_pids(sid)
     assert len(pids) == 1
+    ns, _ = ns_addr(server, sid)
+    ns_inode = os.stat(f"/run/netns/{ns}").st_ino  # the namespace itself, not its reusable name
     assert api.delete(f"/sandboxes/{sid}").status_code == 204
     assert api.get(f"/sandboxes/{sid}").status_code == 404
     assert api.delete(f"/sandboxes/{sid}").status_code == 404
     assert host.qemu_pids(sid) == set()
     assert sid not in host.sandbox_dirs(server.data_dir)
+    # the namespace goes just after the answer (its removal waits on the kernel, not the caller)
+    def same_namespace() -> bool:
+        try:
+            return os.stat(f"/run/netns/{ns}").st_ino == ns_inode
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while same_namespace() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not same_namespace(), "namespace not freed"
 
 
 def test_each_sandbox_has_its_own_identity_and_clock(api: httpx.Client) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,7 @@ class Orchestrator:
         self._live: dict[str, LiveSandbox] = {}
         self._forking = 0  # forks in progress (their memory file is not mapped yet)
         self._tasks: list[asyncio.Task[None]] = []
+        self._cleanups: set[asyncio.Task[object]] = set()  # see _in_background
         self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
         self.registry = registry or RegistrySettings()  # where images are pulled from (server.py reads the env)
         self._image_locks: dict[str, asyncio.Lock] = {}
@@ -114,6 +115,7 @@ class Orchestrator:
                 await t
             except asyncio.CancelledError:
                 pass
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
         await self.pool.stop()
         await self.slots.drain()
         for live in self._live.values():
@@ -264,7 +266,13 @@ class Orchestrator:
                 return
             await self._transition(live, State.KILLING)
             await live.settled()
+            # The namespace goes after the answer: deleting its links waits for the kernel's
+            # RCU grace periods (20-130 ms measured), not for anything the caller needs.
+            # Its index stays taken until then; a crash before is cleaned by recovery.
+            slot, live.slot = live.slot, None
             await self._release(live)
+            if slot is not None:
+                self._in_background(self.slots.release(slot), f"removing the namespace of {sandbox_id}")
             self._live.pop(sandbox_id, None)
             self._metrics.pop(sandbox_id, None)
             await self.store.delete(sandbox_id)
@@ -498,8 +506,20 @@ class Orchestrator:
         return removed
 
     def schedule_gc(self) -> None:
-        task = asyncio.get_running_loop().create_task(self.gc())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception() and log.error("gc failed: %r", t.exception()))
+        self._in_background(self.gc(), "gc")
+
+    def _in_background(self, work: Coroutine[Any, Any, object], what: str) -> None:
+        """Run host clean-up after the caller has its answer. The task is kept (the loop holds
+        only a weak reference) and ``stop`` waits for it; a failure is logged."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._cleanups.add(task)
+
+        def done(t: asyncio.Task[object]) -> None:
+            self._cleanups.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s failed: %r", what, t.exception())
+
+        task.add_done_callback(done)
 
     # -- E2B surface: egress policy, refresh, proxy routes, metrics -----------------------
 
