@@ -111,13 +111,16 @@ def _wait_pool(node: LocalNode, api: httpx.Client, timeout: float = 60) -> None:
 
 
 def bench_create(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
-    samples = []
+    """Create from a full pool, and kill (``DELETE`` → 204: QEMU gone, run dir removed)."""
+    samples, kills = [], []
     for _ in range(runs):
         _wait_pool(node, api)
         sid, dt = _create(api)
         samples.append(dt)
-        api.delete(f"/sandboxes/{sid}")
-    return {"create_ms": samples}
+        t0 = time.perf_counter()
+        api.delete(f"/sandboxes/{sid}").raise_for_status()
+        kills.append(_ms(t0))
+    return {"create_ms": samples, "kill_ms": kills}
 
 
 def bench_rollouts(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
@@ -266,6 +269,7 @@ Scenario = Callable[..., dict[str, list[float]]]  # (node, api, runs[, image]) �
 # metric → the scenario that measures it (one scenario may measure several metrics)
 SCENARIOS: dict[str, Scenario] = {
     "create_ms": bench_create,
+    "kill_ms": bench_create,
     "create_burst16_ms": bench_burst16,
     "rollout_cycle_ms": bench_rollouts,
     "exec_rtt_ms": bench_exec,
