@@ -125,9 +125,10 @@ def bench_create(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, lis
 
 def bench_rollouts(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
     """Rollouts back to back, as a trainer runs them: create, one command, kill; ten times the
-    runs (100 in a full bench) while the pool refills in the background. Creates outpace restores on two cores, so
-    the pool runs dry and the later cycles restore inline: the median is the steady state, the
-    minimum a pooled create (``create_ms``, measured with a full pool, is the baseline)."""
+    runs (100 in a full bench) while the pool refills in the background. Creates outpace
+    restores on two cores, so the pool runs dry and the later cycles restore inline: the median
+    is the steady state, the minimum a pooled create (``create_ms``, measured with a full pool,
+    is the baseline)."""
     _wait_pool(node, api)
     samples = []
     for _ in range(max(20, runs * 10)):
