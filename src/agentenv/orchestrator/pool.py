@@ -30,6 +30,7 @@ class WarmPool:
         self._may_grow = may_grow  # False while the host is short of memory: the pool waits
         self._must_shrink = must_shrink  # True while it is below its reserve: shells are given back
         self.check_interval_s = check_interval_s
+        self._short = False  # the last look found the host short of memory
         self.fill_concurrency = fill_concurrency
         self._factory = factory
         self._slots = slots
@@ -111,10 +112,15 @@ class WarmPool:
         shells = self._shells.setdefault(key, [])
         while len(shells) < self.size and snap.mem_file.exists():
             if not self._may_grow():
-                log.warning("warm pool: not refilling while the host is short of memory")
+                if not self._short:  # said once per episode, not every 5 s while it lasts
+                    log.warning("warm pool: not refilling while the host is short of memory")
+                self._short = True
                 await asyncio.sleep(5.0)
                 self._wake.set()
                 return False
+            if self._short:
+                log.info("warm pool: memory is available again; refilling")
+                self._short = False
             batch = min(self.fill_concurrency, self.size - len(shells))
             results = await asyncio.gather(*(self._factory(snap) for _ in range(batch)),
                                            return_exceptions=True)
