@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,8 +22,9 @@ import httpx
 
 from agentenv.config import Settings
 from agentenv.images import artifacts_present
-from agentenv.network import SlotPool, host_firewall_down, host_firewall_up
+from agentenv.network import SlotPool, host_firewall_up
 from agentenv.orchestrator import State
+from agentenv.orchestrator.leftovers import remove_node_objects
 from agentenv.vmm import find_qemu_pids, kill_pid
 
 CACHE = Path(os.environ.get("AENV_CACHE_DIR", "/var/lib/agentenv/cache"))
@@ -53,9 +53,7 @@ async def scratch_host(data_dir: Path, slot_cidr: str) -> AsyncIterator[tuple[Se
     try:
         yield settings, slots
     finally:
-        await host_firewall_down(settings.instance_tag)
-        shutil.rmtree(settings.mem_dir, ignore_errors=True)
-        shutil.rmtree(settings.sock_dir, ignore_errors=True)
+        await remove_node_objects(settings.instance_tag, settings.mem_dir, settings.sock_dir)
 
 
 class LocalNode:
@@ -128,11 +126,7 @@ class LocalNode:
         for pid in qemu_pids(str(self.data_dir)):
             kill_pid(pid)
         qemu_gone(str(self.data_dir))
-        asyncio.run(SlotPool(settings.instance_tag, self.env["AENV_SLOT_CIDR"], 0).remove_orphans(keep=set()))
-        shutil.rmtree(settings.mem_dir, ignore_errors=True)
-        shutil.rmtree(settings.sock_dir, ignore_errors=True)
-        subprocess.run(["nft", "delete", "table", "inet", f"aenv_{settings.instance_tag[:4]}"],
-                       capture_output=True)
+        asyncio.run(remove_node_objects(settings.instance_tag, settings.mem_dir, settings.sock_dir))
 
 
 def all_sandboxes(api: httpx.Client) -> list[dict]:

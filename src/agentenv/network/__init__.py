@@ -9,12 +9,11 @@ from agentenv.network.rules import egress_cidrs
 from agentenv.network.slots import (
     Slot,
     SlotPool,
-    host_firewall_down,
     host_firewall_up,
     remove_node_network,
     remove_slots_in,
     set_egress,
 )
 
-__all__ = ["Slot", "SlotPool", "egress_cidrs", "host_firewall_down", "host_firewall_up", "remove_node_network",
+__all__ = ["Slot", "SlotPool", "egress_cidrs", "host_firewall_up", "remove_node_network",
            "remove_slots_in", "set_egress"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from agentenv.errors import ExternalCommandError, NetworkError
@@ -57,13 +58,13 @@ class SlotPool:
 
     @property
     def ifprefix(self) -> str:
-        return f"ae{self.tag[:4]}"
+        return _ifprefix(self.tag)
 
     def slot(self, index: int) -> Slot:
         base = int(self.net.network_address) + 4 * index
         return Slot(
             index=index,
-            netns=f"aenv-{self.tag[:4]}-{index}",
+            netns=f"{_netns_prefix(self.tag)}{index}",
             veth=f"{self.ifprefix}{index}",
             host_addr=str(ipaddress.ip_address(base + 1)),
             ns_addr=str(ipaddress.ip_address(base + 2)),
@@ -116,17 +117,30 @@ class SlotPool:
 
     async def remove_orphans(self, keep: set[int]) -> list[str]:
         """Delete namespaces of ours that no sandbox owns (left by a crashed server)."""
-        out = await run(["ip", "netns", "list"], check=False)
-        prefix = f"aenv-{self.tag[:4]}-"
-        removed = []
-        for line in out.splitlines():
-            name = line.split()[0] if line.strip() else ""
-            if name.startswith(prefix):
-                idx = int(name.removeprefix(prefix))
-                if idx not in keep:
-                    await destroy_slot(self.slot(idx))
-                    removed.append(name)
-        return removed
+        return await remove_namespaces(self.tag, keep)
+
+
+def _ifprefix(tag: str) -> str:
+    return f"ae{tag[:4]}"
+
+
+def _netns_prefix(tag: str) -> str:
+    return f"aenv-{tag[:4]}-"
+
+
+async def remove_namespaces(tag: str, keep: Collection[int] = ()) -> list[str]:
+    """Delete the slot namespaces of node ``tag`` whose index is not in ``keep``, each with its
+    host veth first (the kernel tears a namespace down later, and a lingering veth would keep
+    its address)."""
+    out = await run(["ip", "netns", "list"], check=False)
+    prefix = _netns_prefix(tag)
+    removed = []
+    for line in out.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if name.startswith(prefix) and (idx := int(name.removeprefix(prefix))) not in keep:
+            await _destroy(f"{_ifprefix(tag)}{idx}", name)
+            removed.append(name)
+    return removed
 
 
 async def create_slot(slot: Slot) -> Slot:
@@ -174,8 +188,12 @@ async def set_egress(slot: Slot, allow: list[str], deny: list[str]) -> None:
 
 async def destroy_slot(slot: Slot) -> None:
     """Remove the namespace (which removes vpeer, tap0 and the rules) and the host veth."""
-    await run(["ip", "link", "del", slot.veth], check=False)
-    await run(["ip", "netns", "del", slot.netns], check=False)
+    await _destroy(slot.veth, slot.netns)
+
+
+async def _destroy(veth: str, netns: str) -> None:
+    await run(["ip", "link", "del", veth], check=False)
+    await run(["ip", "netns", "del", netns], check=False)
 
 
 async def host_firewall_up(tag: str, ifprefix: str, cidr: str) -> None:
@@ -196,14 +214,10 @@ async def host_firewall_down(tag: str) -> None:
 
 
 async def remove_node_network(tag: str) -> list[str]:
-    """Every network object of the node ``tag``: its namespaces (a namespace takes its veth
-    pair and tap with it) and its host table. For a node that is gone for good; the caller
-    makes sure no live node shares the tag's first four characters, which name them."""
-    out = await run(["ip", "netns", "list"], check=False)
-    prefix = f"aenv-{tag[:4]}-"
-    removed = [n for line in out.splitlines() if (n := line.split()[0] if line.strip() else "").startswith(prefix)]
-    for name in removed:
-        await run(["ip", "netns", "del", name], check=False)
+    """Every network object of the node ``tag``: its namespaces with their veths, and its host
+    table. For a node that is gone for good; the caller makes sure no live node shares the
+    tag's first four characters, which name them."""
+    removed = await remove_namespaces(tag)
     await host_firewall_down(tag)
     return [*removed, f"nft table aenv_{tag[:4]}"]
 

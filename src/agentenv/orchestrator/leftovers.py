@@ -88,11 +88,17 @@ async def remove_leftovers(settings: Settings) -> list[str]:
     kept |= await asyncio.to_thread(_unrecorded_prefixes, settings.sock_dir.parent, {n.tag for n in nodes})
     removed: list[str] = []
     for n in gone:
-        if n.tag[:4] not in kept:
-            removed += await remove_node_network(n.tag)
-        await asyncio.to_thread(shutil.rmtree, n.mem_dir, True)
-        await asyncio.to_thread(shutil.rmtree, n.sock_dir, True)
-        removed += [str(n.mem_dir), str(n.sock_dir)]
+        removed += await remove_node_objects(n.tag, n.mem_dir, n.sock_dir, network=n.tag[:4] not in kept)
         log.info("removed the host objects of node %s, whose data dir %s is gone", n.tag, n.data_dir)
     removed += await asyncio.to_thread(remove_stale_staging)
     return removed
+
+
+async def remove_node_objects(tag: str, mem_dir: Path, sock_dir: Path, network: bool = True) -> list[str]:
+    """Everything a node keeps outside its data dir: namespaces and host table (unless
+    ``network`` is False: a live node shares their names), memory folder, socket folder.
+    For a node that is gone, or a throwaway one on its way out (``LocalNode.kill_all``)."""
+    removed = await remove_node_network(tag) if network else []
+    await asyncio.to_thread(shutil.rmtree, mem_dir, True)
+    await asyncio.to_thread(shutil.rmtree, sock_dir, True)
+    return [*removed, str(mem_dir), str(sock_dir)]
