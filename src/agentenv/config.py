@@ -57,6 +57,7 @@ class Settings:
     max_memory_layers: int = 8  # a longer memory chain is compacted into one layer
     max_disk_layers: int = 16  # a longer disk chain is streamed into the sandbox's overlay
     pause_on_stop: bool = False  # SIGTERM pauses running sandboxes instead of leaving them running
+    pause_linger_s: float = 60.0  # a paused sandbox's stopped VM is kept this long (orchestrator/parking.py)
     repository_dir: Path | None = None  # snapshot repository (posix_fs); default data_dir/repository
     api_key: str | None = None  # overrides the generated key file
     faults: frozenset[str] = frozenset()  # injected fault points, for tests only (AENV_FAULTS)
@@ -95,6 +96,7 @@ class Settings:
             max_memory_layers=int(_env("AENV_MAX_MEMORY_LAYERS", str(d.max_memory_layers))),
             max_disk_layers=int(_env("AENV_MAX_DISK_LAYERS", str(d.max_disk_layers))),
             pause_on_stop=_env("AENV_PAUSE_ON_STOP", "0") in ("1", "true", "on"),
+            pause_linger_s=float(_env("AENV_PAUSE_LINGER_S", str(d.pause_linger_s))),
             repository_dir=Path(os.environ["AENV_REPOSITORY_DIR"]) if "AENV_REPOSITORY_DIR" in os.environ else None,
             boot_timeout_s=float(_env("AENV_BOOT_TIMEOUT", str(d.boot_timeout_s))),
             restore_timeout_s=float(_env("AENV_RESTORE_TIMEOUT", str(d.restore_timeout_s))),

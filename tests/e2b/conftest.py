@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentenv.config import Settings
 from agentenv.network import remove_slots_in
 from tests.framework.net import node_cidr
 from tests.framework.sdk import LAUNCHER, SDK_CACHE
@@ -54,7 +55,10 @@ def _remove_slots_in(cidr: str) -> None:
 def e2b_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     cidr = node_cidr(24)
     _remove_slots_in(cidr)
-    s = ServerProcess(tmp_path_factory.mktemp("e2bnode") / "data", cidr, AENV_DOMAIN=DOMAIN)
+    # Pauses park the stopped VM as by default (the test nodes' own default frees it at once),
+    # so the SDK's pause/connect runs on both paths: here, and in tests/e2e.
+    s = ServerProcess(tmp_path_factory.mktemp("e2bnode") / "data", cidr, AENV_DOMAIN=DOMAIN,
+                      AENV_PAUSE_LINGER_S=str(Settings().pause_linger_s))
     s.start()
     yield s
     s.kill_all()

@@ -69,6 +69,9 @@ class LocalNode:
             "AENV_SLOT_CIDR": slot_cidr,
             "AENV_POOL_SIZE": "1",
             "AENV_SLOT_POOL_SIZE": "2",
+            # A pause frees the VM at once, so resumes restore from the saved state. Parked
+            # VMs (the default) are tested by tests/e2e/test_parked.py and the E2B SDK tests.
+            "AENV_PAUSE_LINGER_S": "0",
             **env,
         }
         self.proc: subprocess.Popen[bytes] | None = None

@@ -49,16 +49,25 @@ def _dirty(mib: int) -> str:
     return f"head -c {mib << 20} /dev/urandom > /dev/shm/dirty-$RANDOM"
 
 
+# The bench node parks a paused sandbox's stopped VM for this long (AENV_PAUSE_LINGER_S; the
+# default is 60 s), so that one run measures both resumes: within the linger and after it.
+PAUSE_LINGER_S = 4.0
+
+
 def bench_pause_resume(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
-    """A fresh sandbox dirties N MiB, then pause (→ 204) and resume (→ 201), per size."""
+    """A fresh sandbox dirties N MiB, then pause (→ 204) and resume (→ 201), per size. The
+    resume right after the pause continues the parked VM (``resume_*``); in some runs the
+    sandbox is then paused again and resumed once its VM was freed (``resume_cold_*``: a new
+    QEMU restored from the saved state, the same state as far as memory goes)."""
     out: dict[str, list[float]] = {}
     for mib in (20, 200):
-        pauses, resumes = [], []
-        for _ in range(runs):
+        pauses, resumes, colds = [], [], []
+        for i in range(runs):
             sid = _create(api)
             try:
                 _run(api, sid, _dirty(mib))
                 wait_pool(node)  # no warm-pool refill competing for the CPU while measuring
+                pids = qemu_pids(sid)
                 t0 = time.perf_counter()
                 api.post(f"/sandboxes/{sid}/pause").raise_for_status()
                 pauses.append(_ms(t0))
@@ -66,10 +75,22 @@ def bench_pause_resume(node: LocalNode, api: httpx.Client, runs: int) -> dict[st
                 t0 = time.perf_counter()
                 api.post(f"/sandboxes/{sid}/resume", json={"timeout": 900}).raise_for_status()
                 resumes.append(_ms(t0))
+                if qemu_pids(sid) != pids:
+                    raise RuntimeError(f"{sid} was not resumed on its parked VM")
+                if i < max(1, min(runs, 5)):
+                    api.post(f"/sandboxes/{sid}/pause").raise_for_status()
+                    time.sleep(PAUSE_LINGER_S + 1.0)
+                    if qemu_pids(sid):
+                        raise RuntimeError(f"the parked VM of {sid} outlived its linger time")
+                    wait_pool(node)
+                    t0 = time.perf_counter()
+                    api.post(f"/sandboxes/{sid}/resume", json={"timeout": 900}).raise_for_status()
+                    colds.append(_ms(t0))
             finally:
                 api.delete(f"/sandboxes/{sid}")
         out[f"pause_{mib}mib_ms"] = pauses
         out[f"resume_{mib}mib_ms"] = resumes
+        out[f"resume_cold_{mib}mib_ms"] = colds
     return out
 
 

@@ -31,6 +31,7 @@ from agentenv.bench.node import CACHE, LocalNode, pss_kb, qemu_pids, scratch_hos
 from agentenv.bench.registry import LocalRegistry
 from agentenv.bench.saved_states import (
     MIGRATE_CIDR,
+    PAUSE_LINGER_S,
     bench_fork,
     bench_migrate_baseline,
     bench_pause_resume,
@@ -282,7 +283,7 @@ SCENARIOS: dict[str, Scenario] = {
     "idle_guest_ram_pss_mb": bench_idle_pss,
     "idle_tcg_cache_pss_mb": bench_idle_pss,
     "idle_pss_ksm_mb": bench_idle_pss_ksm,  # a second node with AENV_KSM=on (bench/ksm.py)
-    **{f"{op}_{mib}mib_ms": bench_pause_resume for op in ("pause", "resume") for mib in (20, 200)},
+    **{f"{op}_{mib}mib_ms": bench_pause_resume for op in ("pause", "resume", "resume_cold") for mib in (20, 200)},
     "snapshot_1gib_disk_ms": bench_snapshot_disk,
     "snapshot_idle_ms": bench_snapshot_disk,
     "fork16_ms": bench_fork,
@@ -332,7 +333,7 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
             defaults = Settings()  # the server as it runs by default (tests use smaller pools)
             node = LocalNode(tmp / "node", BENCH_CIDR, cache, AENV_POOL_SIZE=str(defaults.pool_size),
                              AENV_SLOT_POOL_SIZE=str(defaults.slot_pool_size), AENV_ACCEL=accel,
-                             AENV_MAX_SANDBOXES="64", AENV_DOMAIN=DOMAIN,
+                             AENV_MAX_SANDBOXES="64", AENV_DOMAIN=DOMAIN, AENV_PAUSE_LINGER_S=str(PAUSE_LINGER_S),
                              AENV_INSECURE_REGISTRIES=registry.host if registry else "")
             node.start()
             try:

@@ -5,10 +5,11 @@ filled as used, so a node holds far more sandboxes than its RAM divided by their
 must not do is start one more when the host is nearly out of memory: the kernel's OOM killer
 would then pick a QEMU, and a running rollout would lose its sandbox. So creates, resumes,
 forks and the warm pool stop while the host's available memory is below a reserve, and the
-caller gets a typed "try again" (429) that says why. Below the reserve itself, the warm pool
-also gives back the shells it holds (an idle restored sandbox each), so the memory goes to the
-running sandboxes instead of to ones nobody asked for yet; it refills once a new sandbox fits
-again (``SANDBOX_MIN_MB`` above the reserve, which keeps the two from alternating).
+caller gets a typed "try again" (429) that says why, once the stopped VMs of paused sandboxes
+kept for a quick resume have been freed for it (orchestrator/parking.py). Below the reserve
+itself, those go first, then the warm pool gives back the shells it holds (an idle restored
+sandbox each), so the memory goes to the running sandboxes instead of to ones nobody asked for
+yet; it refills once a new sandbox fits again (``SANDBOX_MIN_MB`` above the reserve, which keeps the two from alternating).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s
     if cp.kind not in ("snapshot", "template"):
         raise InvalidRequest(f"'{id_or_name}' is not a snapshot or a template")
     timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
-    orch.check_capacity()
+    await orch.admit()
     return await _new_sandbox(orch, cp, template=cp.name or cp.id, env_vars=dict(env_vars or {}),
                               metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
                               options=options)
@@ -226,7 +226,7 @@ async def fork(orch: Orchestrator, sandbox_id: str, count: int,
     live = orch._require(sandbox_id, {State.RUNNING, State.SNAPSHOTTING, State.FORKING})
     if timeout_s is not None:
         orch.validate_timeout(timeout_s)
-    orch.check_capacity(count)
+    await orch.admit(count)
     t0 = time.perf_counter()
     cp = await _checkpoint(orch, live, State.FORKING, "fork", None)
     src = live.record

@@ -1,14 +1,16 @@
 """Pause and resume (and E2B's connect, which resumes when needed).
 
 Pause: ``running → pausing`` → checkpoint (memory layer + device state; the disk overlay
-stays where it is, no longer written) → ``paused`` with the checkpoint in the record → QEMU
-killed, network slot returned. The sandbox then holds no CPU and no guest RAM; its state is
-files in the repository plus its overlay. A failed capture (e.g. a full disk) continues the
+stays where it is, no longer written) → ``paused`` with the checkpoint in the record. The
+stopped VM is then parked for a while (orchestrator/parking.py), or killed and its network
+slot returned. The sandbox holds no CPU; once its VM is freed, no guest RAM either: its state
+is files in the repository plus its overlay. A failed capture (e.g. a full disk) continues the
 VM and returns the sandbox to ``running`` with the error.
 
-Resume: ``paused → resuming`` → new slot and QEMU, layers written, device state loaded, the
-guest told the clock and given fresh entropy → ``running``. A failed resume leaves it
-``paused`` (nothing lost: the checkpoint is untouched).
+Resume: ``paused → resuming`` → on its parked VM if it still has one (continued, the guest
+told the clock); otherwise new slot and QEMU, layers written, device state loaded, the guest
+told the clock and given fresh entropy → ``running``. A failed resume leaves it ``paused``
+(nothing lost: the checkpoint is untouched).
 
 Filesystem-only pause (E2B's ``memory: false``): the guest agent first flushes the guest's
 filesystems to the disk, then the VM is stopped and only the disk is kept (no memory layer, no
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentenv.errors import GuestUnresponsive, SandboxStateError
+from agentenv.orchestrator import parking
 from agentenv.orchestrator.forking import (
     GUEST_BOUND_S,
     flush_guest,
@@ -35,11 +38,8 @@ from agentenv.orchestrator.forking import (
 from agentenv.orchestrator.lifecycle import State
 
 if TYPE_CHECKING:
-    from agentenv.envd_client import EnvdClient
-    from agentenv.network import Slot
     from agentenv.orchestrator.service import Orchestrator
     from agentenv.orchestrator.store import SandboxRecord
-    from agentenv.vmm import Machine
 
 log = logging.getLogger(__name__)
 
@@ -76,24 +76,18 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
         # the two leaves a paused record and a stopped QEMU that recovery kills.
         live.record = live.record.with_(state=State.PAUSED, paused=cp, slot_index=None)
         await orch.store.put(live.record)
-        # The state is saved and the VM stopped: the caller is answered now, and the stopped
-        # QEMU and the network slot are freed in the background (resume and kill wait for it).
+        # The state is saved and the VM stopped: the caller is answered now. The stopped QEMU
+        # is parked, or it and the network slot are freed in the background (resume and kill
+        # wait for that).
         envd, slot = live.envd, live.slot
         live.machine, live.envd, live.slot = None, None, None  # the exit watcher must not see a crash
-        live.releasing = asyncio.get_running_loop().create_task(_free(orch, machine, envd, slot))
+        if memory and orch.settings.pause_linger_s > 0 and envd is not None and slot is not None:
+            parking.park(orch, live, machine, envd, slot)
+        else:
+            live.releasing = asyncio.get_running_loop().create_task(parking.free(orch, machine, envd, slot))
         log.info("sandbox %s: paused%s in %.1f ms", sandbox_id, "" if memory else " (filesystem only)",
                  (time.perf_counter() - t0) * 1e3)
         return live.record
-
-
-async def _free(orch: Orchestrator, machine: Machine, envd: EnvdClient | None, slot: Slot | None) -> None:
-    try:
-        await machine.kill()
-        if envd:
-            await envd.aclose()
-    finally:
-        if slot:
-            await orch.slots.release(slot)
 
 
 async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
@@ -104,10 +98,17 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
     async with live.lock:
         if live.record.state != State.PAUSED or live.record.paused is None:
             raise SandboxStateError(sandbox_id, live.record.state.value, "paused")
-        await live.settled()
         timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
-        orch.check_capacity()
         cp = live.record.paused
+        orch.check_count()
+        if live.parked is not None and memory and not cp.filesystem_only:
+            if rec := await parking.wake(orch, live, cp, timeout):
+                orch.repo.delete(cp.id)  # the record pins the layers now
+                orch.schedule_gc()
+                return rec
+        parking.evict(orch, live, why="resumed without its memory")  # if it has one still
+        await live.settled()
+        await orch.admit()
         if not memory and not cp.filesystem_only:
             cp = cp.with_(memory=(), device=None)
         await orch._transition(live, State.RESUMING)

@@ -12,7 +12,8 @@ checkpoint or none; recovery settles the sandbox on the state it can prove:
     pausing / snapshotting / forking   QEMU alive → continued, ``running`` (disk top read back
                                        from QEMU); dead → ``error``
     resuming                           QEMU alive → ``running``; none → back to ``paused``
-    paused                             a QEMU still left (killed between the two steps) is killed
+    paused                             a QEMU still left (killed between the two steps, or
+                                       parked: orchestrator/parking.py) is killed
 
 Unpublished staging files, fork manifests (their children's records pin the layers) and pause
 manifests no record points to are removed, then unreferenced layers are collected.

@@ -15,6 +15,17 @@ from agentenv.vmm import Machine
 
 
 @dataclass
+class Parked:
+    """The stopped VM of a paused sandbox, kept for a quick resume (orchestrator/parking.py)."""
+
+    machine: Machine
+    envd: EnvdClient
+    slot: Slot
+    since: float  # time.monotonic() at the pause
+    expiry: asyncio.TimerHandle | None = None
+
+
+@dataclass
 class LiveSandbox:
     record: SandboxRecord
     machine: Machine | None = None
@@ -22,6 +33,7 @@ class LiveSandbox:
     envd: EnvdClient | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     releasing: asyncio.Task[None] | None = None  # host resources being freed after a pause
+    parked: Parked | None = None  # paused, with its stopped VM kept (machine/slot/envd are None)
 
     async def settled(self) -> None:
         """Wait until the resources of a previous pause are freed (errors were logged)."""

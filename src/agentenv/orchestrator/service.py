@@ -26,7 +26,7 @@ from agentenv.errors import (
 )
 from agentenv.images.registry import RegistrySettings
 from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
-from agentenv.orchestrator import leftovers
+from agentenv.orchestrator import leftovers, parking
 from agentenv.orchestrator.capacity import below_reserve, memory_shortfall
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.idempotency import CreateOnce
@@ -65,7 +65,8 @@ class Orchestrator:
         )
         self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots,
                              may_grow=lambda: memory_shortfall(settings.mem_reserve_mb) is None,
-                             must_shrink=lambda: below_reserve(settings.mem_reserve_mb))
+                             # parked VMs go first (orchestrator/parking.py)
+                             must_shrink=lambda: below_reserve(settings.mem_reserve_mb) and not parking.parked(self))
         self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
         self.repo = SnapshotRepository(settings.repository)
         self.checkpoints = Checkpointer(
@@ -102,6 +103,7 @@ class Orchestrator:
         self._tasks.append(asyncio.create_task(self._prepare_templates(), name="prepare-templates"))
         self._tasks.append(asyncio.create_task(self._reaper(), name="ttl-reaper"))
         self._tasks.append(asyncio.create_task(self._slot_keeper(), name="slot-keeper"))
+        self._tasks.append(asyncio.create_task(parking.keeper(self), name="parked-keeper"))
 
     async def stop(self) -> None:
         """Leave running sandboxes running (they are adopted on the next start), or pause them
@@ -119,6 +121,7 @@ class Orchestrator:
         await self.pool.stop()
         await self.slots.drain()
         for live in self._live.values():
+            parking.evict(self, live, why="the server stops")  # its state is saved
             await live.settled()
             if live.machine:
                 await live.machine.detach()
@@ -182,14 +185,21 @@ class Orchestrator:
                                  else f"Timeout cannot be greater than {limit} seconds")
         return timeout_s
 
-    def check_capacity(self, more: int = 1) -> None:
+    def check_count(self, more: int = 1) -> None:
+        """Raise CapacityExhausted unless ``more`` sandboxes fit in AENV_MAX_SANDBOXES."""
         active = sum(1 for s in self._live.values() if s.record.state in ACTIVE)
         if active + more > self.settings.max_sandboxes:
             raise CapacityExhausted(
                 f"this node runs {active} of its maximum of {self.settings.max_sandboxes} sandboxes; "
                 f"kill or pause some, or retry later")
-        if why := memory_shortfall(self.settings.mem_reserve_mb, more):
-            raise CapacityExhausted(f"{why}: kill or pause some sandboxes, or retry later", retry_after=5)
+
+    async def admit(self, more: int = 1) -> None:
+        """Raise CapacityExhausted unless ``more`` new VMs fit: by count, and by host memory
+        once parked VMs (their state is saved) have been freed for it."""
+        self.check_count(more)
+        while (why := memory_shortfall(self.settings.mem_reserve_mb, more)) is not None:
+            if not await parking.evict_oldest(self, "memory for a new VM"):
+                raise CapacityExhausted(f"{why}: kill or pause some sandboxes, or retry later", retry_after=5)
 
     async def create(self, template: str, *, vcpus: int | None = None, memory_mb: int | None = None,
                      timeout_s: int | None = None, metadata: dict[str, str] | None = None,
@@ -208,7 +218,7 @@ class Orchestrator:
         t = self.catalog.get(template)
         v, m = self.validate_shape(t, vcpus, memory_mb)
         timeout = self.validate_timeout(self.settings.default_timeout_s if timeout_s is None else timeout_s)
-        self.check_capacity()
+        await self.admit()
         snap = await self.snapshots.get(t, v, m)
         shell = self.pool.take(snap) or await self._make_shell(snap, prime=False)
         now = time.time()
@@ -265,6 +275,8 @@ class Orchestrator:
             if live.record.state == State.KILLING:
                 return
             await self._transition(live, State.KILLING)
+            if (parked := parking.take(live)) is not None:  # released below, as a running VM
+                live.machine, live.envd, live.slot = parked.machine, parked.envd, parked.slot
             await live.settled()
             # The namespace goes after the answer: deleting its links waits for the kernel's
             # RCU grace periods (20-130 ms measured), not for anything the caller needs.
@@ -426,7 +438,8 @@ class Orchestrator:
     def template_snapshots_in_use(self) -> set[str]:
         """Template snapshot dirs and memory files that sandboxes or saved states start from."""
         bases = {r.record.base_dir for r in self._live.values()} | {cp.base for cp in self.repo.list()}
-        return bases | {str(r.machine.spec.mem_path) for r in self._live.values() if r.machine is not None}
+        machines = [r.machine or (r.parked.machine if r.parked else None) for r in self._live.values()]
+        return bases | {str(m.spec.mem_path) for m in machines if m is not None}
 
     def image_lock(self, key: str) -> asyncio.Lock:
         """One conversion at a time per output file (two pulls of one image wait for each other)."""

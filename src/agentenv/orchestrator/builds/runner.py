@@ -410,7 +410,7 @@ class Builds(GuestSteps):
         else:
             from agentenv.orchestrator.forking import _new_sandbox
 
-            orch.check_capacity()
+            await orch.admit()
             rec = await _new_sandbox(orch, cp, template=b.template_id, env_vars={}, metadata=meta,
                                      timeout_s=timeout, options={})
         log.info("build %s runs in sandbox %s", b.build_id, rec.id)

@@ -1,0 +1,199 @@
+"""Parked VMs (orchestrator/parking.py), on real microVMs: a paused sandbox's stopped QEMU is
+kept for AENV_PAUSE_LINGER_S, a resume within it continues that QEMU, and the VM is freed
+when the linger ends, on kill, at stop, after a crash and under memory pressure, with nothing
+of the sandbox lost in any of these."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import run
+from tests.e2e.test_saved_states import COUNTER
+from tests.framework import host
+from tests.framework.net import node_cidr
+from tests.framework.server import ServerProcess
+
+LINGER_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    s = ServerProcess(tmp_path_factory.mktemp("parked") / "data", node_cidr(33), AENV_PAUSE_LINGER_S=str(LINGER_S))
+    s.start()
+    yield s
+    s.kill_all()
+
+
+@pytest.fixture(scope="module")
+def api(node: ServerProcess) -> Iterator[httpx.Client]:
+    with node.client() as c:
+        yield c
+
+
+class Busy:
+    """A sandbox with a counting process, a file on disk and 20 MiB of random data in RAM."""
+
+    def __init__(self, api: httpx.Client) -> None:
+        self.api = api
+        r = api.post("/sandboxes", json={"templateID": "base", "timeout": 600})
+        assert r.status_code == 201, r.text
+        self.sid = r.json()["sandboxID"]
+        self.pid = run(api, self.sid, COUNTER)["stdout"].strip()
+        self.md5 = run(api, self.sid, "echo on-disk > /home/user/kept.txt; head -c 20971520 /dev/urandom "
+                                      "> /dev/shm/blob; md5sum < /dev/shm/blob")["stdout"].split()[0]
+        self.count = 0
+
+    def pause(self) -> None:
+        self.count = int(run(self.api, self.sid, "tail -n1 /tmp/counter")["stdout"])
+        r = self.api.post(f"/sandboxes/{self.sid}/pause")
+        assert r.status_code == 204, r.text
+
+    def resume(self) -> None:
+        r = self.api.post(f"/sandboxes/{self.sid}/resume", json={"timeout": 600})
+        assert r.status_code == 201, r.text
+
+    def assert_intact(self) -> None:
+        """Everything the sandbox had before the pause is there, and it runs on."""
+        api, sid = self.api, self.sid
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+        assert run(api, sid, f"kill -0 {self.pid} && echo alive")["stdout"] == "alive\n"
+        assert run(api, sid, "cat /home/user/kept.txt")["stdout"] == "on-disk\n"
+        assert run(api, sid, "md5sum < /dev/shm/blob")["stdout"].split()[0] == self.md5
+        c1 = int(run(api, sid, "tail -n1 /tmp/counter")["stdout"])
+        assert c1 >= self.count
+        time.sleep(0.3)
+        assert int(run(api, sid, "tail -n1 /tmp/counter")["stdout"]) > c1, "the counting process goes on"
+        guest_now = float(run(api, sid, "date +%s.%N")["stdout"])
+        assert abs(guest_now - time.time()) < 1.5, "the guest clock is set on resume"
+
+    def kill(self) -> None:
+        self.api.delete(f"/sandboxes/{self.sid}")
+
+
+@pytest.fixture
+def busy(api: httpx.Client) -> Iterator[Busy]:
+    b = Busy(api)
+    yield b
+    b.kill()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_resume_within_the_linger_continues_the_same_stopped_vm(api: httpx.Client, busy: Busy) -> None:
+    (pid,) = host.qemu_pids(busy.sid)
+    busy.pause()
+    assert api.get(f"/sandboxes/{busy.sid}").json()["state"] == "paused"
+    assert host.qemu_pids(busy.sid) == {pid}, "the stopped VM is kept for the linger time"
+    r = api.post(f"/sandboxes/{busy.sid}/exec", json={"cmd": "true"})
+    assert r.status_code == 409 and "paused" in r.json()["message"]
+    cpu0 = cpu_seconds(pid)
+    time.sleep(2.5)  # longer than the clock check's tolerance: the guest clock stood still
+    assert cpu_seconds(pid) - cpu0 < 0.1, "a parked VM uses no CPU"
+    busy.resume()
+    assert host.qemu_pids(busy.sid) == {pid}, "resumed on the same QEMU"
+    busy.assert_intact()
+    # again: a parked VM can be paused and woken any number of times
+    for _ in range(3):
+        busy.pause()
+        busy.resume()
+    assert host.qemu_pids(busy.sid) == {pid}
+    busy.assert_intact()
+
+
+def test_after_the_linger_the_vm_is_freed_and_a_resume_restores_the_saved_state(api: httpx.Client,
+                                                                                busy: Busy) -> None:
+    (pid,) = host.qemu_pids(busy.sid)
+    busy.pause()
+    time.sleep(LINGER_S + 0.5)
+    assert host.qemu_gone(busy.sid), "the parked VM is freed when its linger time ends"
+    assert api.get(f"/sandboxes/{busy.sid}").json()["state"] == "paused"
+    busy.resume()
+    assert host.qemu_pids(busy.sid) - {pid}, "a new QEMU, restored from the saved state"
+    busy.assert_intact()
+
+
+def test_a_parked_vm_that_died_is_replaced_by_a_restore(node: ServerProcess, busy: Busy) -> None:
+    (pid,) = host.qemu_pids(busy.sid)
+    busy.pause()
+    os.kill(pid, signal.SIGKILL)
+    assert host.qemu_gone(busy.sid)
+    busy.resume()
+    busy.assert_intact()
+    assert "its parked VM did not wake" in node.log.read_text()
+
+
+def test_killing_a_parked_sandbox_frees_its_vm_and_namespace(node: ServerProcess, api: httpx.Client) -> None:
+    b = Busy(api)
+    ns = subprocess.run(["ip", "netns", "identify", str(next(iter(host.qemu_pids(b.sid))))],
+                        capture_output=True, text=True).stdout.strip()
+    assert ns in host.netns_names()
+    b.pause()
+    assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
+    assert host.qemu_gone(b.sid, timeout=5)
+    assert b.sid not in host.sandbox_dirs(node.data_dir)
+    deadline = time.monotonic() + 10  # the namespace goes after the answer
+    while ns in host.netns_names() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ns not in host.netns_names()
+    assert api.get(f"/sandboxes/{b.sid}").status_code == 404
+
+
+def test_stop_and_crash_free_parked_vms_and_lose_no_sandbox(node: ServerProcess, api: httpx.Client) -> None:
+    b = Busy(api)
+    try:
+        b.pause()
+        assert host.qemu_pids(b.sid)
+        node.stop(signal.SIGTERM)
+        assert host.qemu_gone(b.sid, timeout=5), "a clean stop frees parked VMs (their state is saved)"
+        node.start()
+        b.resume()
+        b.assert_intact()
+        b.pause()
+        (pid,) = host.qemu_pids(b.sid)
+        node.stop(signal.SIGKILL)
+        assert host.qemu_pids(b.sid) == {pid}, "a crashed server leaves its parked VM"
+        node.start()
+        assert host.qemu_gone(b.sid, timeout=5), "recovery kills the VM of a paused sandbox"
+        assert api.get(f"/sandboxes/{b.sid}").json()["state"] == "paused"
+        b.resume()
+        b.assert_intact()
+    finally:
+        b.kill()
+
+
+def test_parked_vms_are_freed_first_below_the_memory_reserve(tmp_path: Path) -> None:
+    from agentenv.orchestrator.capacity import mem_available_mb
+
+    avail = mem_available_mb()
+    assert avail is not None and avail > 6000, "this test takes 3 GiB of the host's memory for a while"
+    s = ServerProcess(tmp_path / "data", node_cidr(34), AENV_POOL_SIZE="1", AENV_MEM_RESERVE_MB=str(avail - 1500),
+                      AENV_PAUSE_LINGER_S="60")
+    s.start()
+    try:
+        with s.client() as api:
+            b = Busy(api)
+            b.pause()
+            assert host.qemu_pids(b.sid), "parked (the default linger is a minute)"
+            hog = b"\x01" * (2500 << 20)  # real memory pressure: the host goes inside its reserve
+            assert host.qemu_gone(b.sid, timeout=15), "the parked VM is freed below the reserve"
+            assert "below its memory reserve" in s.log.read_text()
+            del hog
+            deadline = time.monotonic() + 30
+            while api.post(f"/sandboxes/{b.sid}/resume", json={"timeout": 600}).status_code == 429:
+                assert time.monotonic() < deadline, "the resume is admitted once memory is back"
+                time.sleep(1)
+            b.assert_intact()
+            b.kill()
+    finally:
+        s.kill_all()
