@@ -90,11 +90,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_a_resume_within_the_linger_continues_the_same_stopped_vm(api: httpx.Client, busy: Busy) -> None:
+def test_a_resume_within_the_linger_continues_the_same_stopped_vm(node: ServerProcess, api: httpx.Client,
+                                                                  busy: Busy) -> None:
     (pid,) = host.qemu_pids(busy.sid)
     busy.pause()
     assert api.get(f"/sandboxes/{busy.sid}").json()["state"] == "paused"
     assert host.qemu_pids(busy.sid) == {pid}, "the stopped VM is kept for the linger time"
+    assert httpx.get(f"{node.url}/health/details").json()["parkedVMs"] == 1
     r = api.post(f"/sandboxes/{busy.sid}/exec", json={"cmd": "true"})
     assert r.status_code == 409 and "paused" in r.json()["message"]
     cpu0 = cpu_seconds(pid)
@@ -102,6 +104,7 @@ def test_a_resume_within_the_linger_continues_the_same_stopped_vm(api: httpx.Cli
     assert cpu_seconds(pid) - cpu0 < 0.1, "a parked VM uses no CPU"
     busy.resume()
     assert host.qemu_pids(busy.sid) == {pid}, "resumed on the same QEMU"
+    assert httpx.get(f"{node.url}/health/details").json()["parkedVMs"] == 0
     busy.assert_intact()
     # again: a parked VM can be paused and woken any number of times
     for _ in range(3):

@@ -582,6 +582,10 @@ class Orchestrator:
         """When the template's definition was last written (unix seconds)."""
         return (self.catalog.root / name / "template.json").stat().st_mtime
 
+    def parked_vms(self) -> int:
+        """Paused sandboxes whose stopped VM is kept for a quick resume (orchestrator/parking.py)."""
+        return len(parking.parked(self))
+
     def memory_merging(self) -> dict[str, object]:
         """Whether this server marks its QEMU processes for KSM, and the host's KSM figures."""
         st = ksm.stats()
