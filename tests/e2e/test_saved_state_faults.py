@@ -220,10 +220,15 @@ def test_sigterm_with_pause_on_stop_pauses_and_a_restart_resumes(node: ServerPro
         api.delete(f"/sandboxes/{sid}")
 
 
-def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("linger", ["0", "60"], ids=["vm-freed", "vm-parked"])
+def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pytest.TempPathFactory,
+                                                          linger: str) -> None:
+    """Both ways a pause writes its memory layer: through the page cache (the VM is freed at
+    once), and with direct I/O (the VM is parked, orchestrator/parking.py)."""
     mnt = tmp_path_factory.mktemp("pausefull")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320m", "tmpfs", str(mnt)], check=True)
-    s = ServerProcess(mnt / "data", node_cidr(21), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0")
+    s = ServerProcess(mnt / "data", node_cidr(21), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
+                      AENV_PAUSE_LINGER_S=linger)
     try:
         s.start()
         with s.client() as api:

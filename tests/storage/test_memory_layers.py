@@ -151,6 +151,35 @@ def test_a_layer_no_longer_in_the_page_cache_restores_the_same(mem: Path, tmp_pa
         g2.close()
 
 
+def cached_bytes(path: Path) -> int:
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out.split()[0])
+
+
+def test_an_uncached_capture_writes_the_same_layer_and_keeps_it_out_of_memory(mem: Path, tmp_path: Path) -> None:
+    """A pause whose VM is parked writes its layer with direct I/O (not through the page cache)."""
+    g = Guest(mem)
+    try:
+        g.write(100, 2048, 4)  # 8 MiB
+        g.write(9000, 3, 5)
+        cached = ml.capture(g.proc.pid, mem, tmp_path / "cached")
+        direct = ml.capture(g.proc.pid, mem, tmp_path / "direct", uncached=True)
+    finally:
+        g.close()
+    assert cached_bytes(direct.path) < 64 << 10 < (8 << 20) <= cached_bytes(cached.path), \
+        "only the header and the runs table of an uncached layer go through the page cache"
+    assert direct.pages == cached.pages == 2051
+    assert direct.digest == cached.digest == ml.file_digest(direct.path)
+    assert direct.path.read_bytes() == cached.path.read_bytes()
+    g2 = Guest(mem)
+    try:
+        assert ml.restore(g2.proc.pid, mem, [direct.path], [direct.digest]) == 2051
+        assert (g2.read(99), g2.read(100), g2.read(2147), g2.read(2148), g2.read(9002)) == (7, 4, 4, 0, 5)
+    finally:
+        g2.close()
+
+
 def test_a_corrupt_layer_is_caught_while_it_is_restored(mem: Path, tmp_path: Path) -> None:
     layer = capture_of(mem, tmp_path / "l1", (20, 4, 1))
     data = bytearray(layer.path.read_bytes())

@@ -74,10 +74,12 @@ class Checkpointer:
     # -- capture --------------------------------------------------------------------------
 
     async def capture(self, rec: SandboxRecord, machine: Machine, *, kind: str, name: str | None = None,
-                      seal_disk: bool, keep_running: bool, memory: bool = True) -> tuple[Checkpoint, str]:
+                      seal_disk: bool, keep_running: bool, memory: bool = True,
+                      uncached: bool = False) -> tuple[Checkpoint, str]:
         """Checkpoint the sandbox; returns the published checkpoint and the disk overlay the
         sandbox writes to from now on (a new one if the disk was sealed). ``memory=False``: a
-        filesystem-only checkpoint (the caller had the guest flush its filesystems first)."""
+        filesystem-only checkpoint (the caller had the guest flush its filesystems first).
+        ``uncached``: the memory layer is not read soon (``memory_layers.capture``)."""
         await asyncio.to_thread(check_writable, self.repo.root)
         await machine.wait_jobs()  # a disk being streamed is not sealed
         env, user, workdir = self._guest_defaults(rec)
@@ -109,7 +111,7 @@ class Checkpointer:
                 await self._crash_point(f"{kind}_after_disk")
                 t1 = time.perf_counter()
                 if memory:
-                    pages, mem_layers, dev_ref = await self._capture_memory(rec, machine, kind, undo)
+                    pages, mem_layers, dev_ref = await self._capture_memory(rec, machine, kind, undo, uncached)
                 else:
                     pages, mem_layers, dev_ref = 0, (), None
                     await self._crash_point(f"{kind}_before_publish")
@@ -164,14 +166,15 @@ class Checkpointer:
             return rec.env_vars, None, None
         return {**t.env, **rec.env_vars}, t.user, t.workdir
 
-    async def _capture_memory(self, rec: SandboxRecord, machine: Machine, kind: str,
-                              undo: Cleanup) -> tuple[int, tuple[LayerRef, ...], LayerRef]:
+    async def _capture_memory(self, rec: SandboxRecord, machine: Machine, kind: str, undo: Cleanup,
+                              uncached: bool) -> tuple[int, tuple[LayerRef, ...], LayerRef]:
         """The memory layer (pages changed since the chain the sandbox was restored from) and
         the device state, imported into the repository; returns the new chain."""
         chain = [self.repo.layer_path(r.name) for r in (rec.origin.memory if rec.origin else ())]
         mem_tmp = self.repo.staging_path("mem")
         undo.add("mem", lambda: asyncio.to_thread(mem_tmp.unlink, True))
-        info = await asyncio.to_thread(ml.capture, machine.pid, machine.spec.mem_path, mem_tmp, chain)
+        info = await asyncio.to_thread(ml.capture, machine.pid, machine.spec.mem_path, mem_tmp, chain,
+                                       uncached=uncached)
         dev_tmp = self.repo.staging_path("dev")
         undo.add("dev", lambda: asyncio.to_thread(dev_tmp.unlink, True))
         await machine.save_device_state(dev_tmp)

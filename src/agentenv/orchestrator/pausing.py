@@ -63,9 +63,12 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
                                     f"asked for a healthy guest; the sandbox keeps running")
         await orch._transition(live, State.PAUSING)
         machine = live.machine
+        # With its VM parked, a resume soon continues that VM and does not read the memory
+        # layer: it goes to the disk without filling the page cache (steadier pause, no RAM).
+        park = memory and orch.settings.pause_linger_s > 0
         try:
             cp, _ = await orch.checkpoints.capture(live.record, machine, kind="pause", seal_disk=False,
-                                                   keep_running=False, memory=memory)
+                                                   keep_running=False, memory=memory, uncached=park)
         except BaseException as exc:
             if machine.exited:
                 await orch._fail(live, f"QEMU exited while pausing ({exc!r})")
@@ -81,7 +84,7 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
         # wait for that).
         envd, slot = live.envd, live.slot
         live.machine, live.envd, live.slot = None, None, None  # the exit watcher must not see a crash
-        if memory and orch.settings.pause_linger_s > 0 and envd is not None and slot is not None:
+        if park and envd is not None and slot is not None:
             parking.park(orch, live, machine, envd, slot)
         else:
             live.releasing = asyncio.get_running_loop().create_task(parking.free(orch, machine, envd, slot))
