@@ -133,7 +133,7 @@ def test_a_parked_vm_that_died_is_replaced_by_a_restore(node: ServerProcess, bus
     assert host.qemu_gone(busy.sid)
     busy.resume()
     busy.assert_intact()
-    assert "its parked VM did not wake" in node.log.read_text()
+    assert "its parked VM could not be continued" in node.log.read_text()
 
 
 def test_killing_a_parked_sandbox_frees_its_vm_and_namespace(node: ServerProcess, api: httpx.Client) -> None:

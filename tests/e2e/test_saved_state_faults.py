@@ -105,6 +105,39 @@ def test_server_killed_mid_operation_keeps_the_previous_state(node: ServerProces
         api.delete(f"/sandboxes/{sid}")
 
 
+@pytest.mark.parametrize("point, linger", [
+    ("start_after_restore", "0"),  # a restore into a new QEMU, its slot not yet recorded
+    ("wake_before_cont", "60"),  # a parked VM (orchestrator/parking.py), not yet continued
+    ("wake_after_cont", "60"),  # ... continued, its guest not yet told the clock
+])
+def test_server_killed_mid_resume_loses_nothing(node: ServerProcess, point: str, linger: str) -> None:
+    restart(node, faults=point, AENV_PAUSE_LINGER_S=linger)
+    try:
+        with node.client() as api:
+            sid = busy_sandbox(api)
+            assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+            parked = host.qemu_pids(sid)
+            interrupt(node, api, f"/sandboxes/{sid}/resume", {"timeout": 600}, point)
+        restart(node, AENV_PAUSE_LINGER_S=linger)  # SIGKILL at the crash point, then a clean start
+        with node.client() as api:
+            if linger == "0":
+                assert state(api, sid) == "paused", "the restore was cut short: the saved state stands"
+                assert host.qemu_pids(sid) == set()
+                assert api.post(f"/sandboxes/{sid}/resume", json={"timeout": 600}).status_code == 201
+            else:
+                assert state(api, sid) == "running", "the parked VM being woken is re-adopted"
+                assert host.qemu_pids(sid) == parked
+            c = counter(api, sid)
+            time.sleep(0.3)
+            assert counter(api, sid) > c
+            assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\n"
+            assert abs(float(run(api, sid, "date +%s.%N")["stdout"]) - time.time()) < 1.5
+            repository_is_clean(node)
+            api.delete(f"/sandboxes/{sid}")
+    finally:
+        node.env["AENV_PAUSE_LINGER_S"] = "0"  # the other tests here restart with the default of the test nodes
+
+
 def test_snapshot_published_before_a_crash_is_complete_and_usable(node: ServerProcess) -> None:
     restart(node, faults="snapshot_after_publish")
     with node.client() as api:

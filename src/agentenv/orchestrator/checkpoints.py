@@ -64,7 +64,7 @@ class Checkpointer:
         self.faults = faults
         self._background: set[asyncio.Task[None]] = set()
 
-    async def _crash_point(self, name: str) -> None:
+    async def crash_point(self, name: str) -> None:
         """Tests name crash points in AENV_FAULTS; the server then stops here (hangs) so that
         the test can SIGKILL it at exactly this step."""
         if name in self.faults:
@@ -108,13 +108,13 @@ class Checkpointer:
                     Path(rec.disk_path).unlink(missing_ok=True)
                     disk_top = str(new_top)
                 disk_layers = await asyncio.to_thread(self._disk_layers, Path(disk_top))
-                await self._crash_point(f"{kind}_after_disk")
+                await self.crash_point(f"{kind}_after_disk")
                 t1 = time.perf_counter()
                 if memory:
                     pages, mem_layers, dev_ref = await self._capture_memory(rec, machine, kind, undo, uncached)
                 else:
                     pages, mem_layers, dev_ref = 0, (), None
-                    await self._crash_point(f"{kind}_before_publish")
+                    await self.crash_point(f"{kind}_before_publish")
                 t2 = time.perf_counter()
                 cp = Checkpoint(
                     id=new_checkpoint_id(), kind=kind, name=name, template=rec.template, base=rec.base_dir,
@@ -129,7 +129,7 @@ class Checkpointer:
                 # host crash once its layers are, after the stop window (below).
                 await asyncio.to_thread(self.repo.put, cp, False)
                 t4 = time.perf_counter()
-                await self._crash_point(f"{kind}_after_publish")
+                await self.crash_point(f"{kind}_after_publish")
                 undo.release()
                 completed = True
             if seal_disk and len(disk_layers) > self.max_disk_layers:
@@ -179,7 +179,7 @@ class Checkpointer:
         undo.add("dev", lambda: asyncio.to_thread(dev_tmp.unlink, True))
         await machine.save_device_state(dev_tmp)
         dev_digest = await asyncio.to_thread(ml.file_digest, dev_tmp)
-        await self._crash_point(f"{kind}_before_publish")
+        await self.crash_point(f"{kind}_before_publish")
         mem_ref = await asyncio.to_thread(self.repo.import_layer, mem_tmp, "mem", info.digest)
         dev_ref = await asyncio.to_thread(self.repo.import_layer, dev_tmp, "dev", dev_digest)
         memory = (*(rec.origin.memory if rec.origin else ()), mem_ref)

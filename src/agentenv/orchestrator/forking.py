@@ -83,6 +83,7 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
                                                        disk_top=disk_top, mem_file=mem_file,
                                                        verified=mem_file is not None)
         undo.add("machine", machine.kill)
+        await orch.checkpoints.crash_point("start_after_restore")
         envd = EnvdClient.for_guest(slot.guest_url, cp.access_token)
         undo.add("envd", envd.aclose)
         t2 = time.perf_counter()

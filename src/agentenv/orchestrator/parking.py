@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING
 
 from agentenv.envd_client import EnvdClient, EnvdError
-from agentenv.errors import VmmError
+from agentenv.errors import GuestError, VmmError
 from agentenv.orchestrator.capacity import below_reserve
 from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.sandbox import LiveSandbox, Parked
@@ -112,37 +112,53 @@ async def keeper(orch: Orchestrator) -> None:
 
 async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: int) -> SandboxRecord | None:
     """Resume ``live`` on its parked VM: continue it and give the guest the clock (it stood
-    still while stopped). None when the VM cannot be woken: it is then freed, the sandbox is
-    ``paused`` again, and the caller restores it from ``cp`` instead."""
+    still while stopped). None when the VM cannot be continued: it is then freed, the sandbox
+    is ``paused`` again, and the caller restores it from ``cp`` instead. Once the VM runs
+    there is no going back to ``cp`` (its disk moves on), so a guest that does not answer
+    then leaves the sandbox ``running`` and raises GuestError."""
     p = take(live)
     assert p is not None
     t0 = time.perf_counter()
     try:
+        # With its slot recorded, recovery re-adopts this VM if the server dies during the wake.
+        live.record = live.record.with_(slot_index=p.slot.index)
         await orch._transition(live, State.RESUMING)
-    except BaseException:
-        live.releasing = asyncio.get_running_loop().create_task(free(orch, p.machine, p.envd, p.slot))
-        raise
-    rec = live.record
-    try:
+        await orch.checkpoints.crash_point("wake_before_cont")
         if p.machine.exited:
             raise VmmError("its QEMU exited while parked")
         await p.machine.qmp("cont")
+    except BaseException as exc:  # the VM did not run: the saved state is the sandbox's state
+        live.releasing = asyncio.get_running_loop().create_task(free(orch, p.machine, p.envd, p.slot))
+        live.record = live.record.with_(slot_index=None)
+        if live.record.state == State.RESUMING:
+            await orch._transition(live, State.PAUSED)
+        else:
+            await orch.store.put(live.record)
+        if not isinstance(exc, (VmmError, OSError)):
+            raise
+        log.warning("sandbox %s: its parked VM could not be continued (%r); restoring its saved state",
+                    live.id, exc)
+        return None
+    rec = live.record
+    failure: BaseException | None = None
+    await orch.checkpoints.crash_point("wake_after_cont")
+    try:
         await asyncio.wait_for(p.envd.init(sandbox_id=rec.id, template_id=rec.template, env_vars={},
                                            access_token=rec.access_token), orch.settings.restore_timeout_s)
-    except BaseException as exc:
-        # The guest may have run for a moment: as after a failed restore, the saved state
-        # (taken while it was stopped) is what the next resume starts from.
-        live.releasing = asyncio.get_running_loop().create_task(free(orch, p.machine, p.envd, p.slot))
-        await orch._transition(live, State.PAUSED)
-        if not isinstance(exc, (VmmError, EnvdError, asyncio.TimeoutError, OSError)):
-            raise
-        log.warning("sandbox %s: its parked VM did not wake (%r); restoring its saved state", rec.id, exc)
-        return None
+    except (EnvdError, asyncio.TimeoutError, OSError) as exc:
+        failure = exc
     live.machine, live.slot, live.envd = p.machine, p.slot, p.envd
     # The exit watcher set when this machine first ran applies again (it checks live.machine).
-    live.record = rec.with_(state=State.RUNNING, origin=cp, paused=None, slot_index=p.slot.index,
-                            end_at=time.time() + timeout, timeout_s=timeout)
+    live.record = rec.with_(state=State.RUNNING, origin=cp, paused=None, end_at=time.time() + timeout,
+                            timeout_s=timeout)
     await orch.store.put(live.record)
+    if p.machine.exited:  # it died after cont, before the watcher could see it as running
+        await orch._fail(live, "QEMU exited while the sandbox was resumed")
+        raise VmmError(f"sandbox {rec.id}: its QEMU exited while it was resumed")
+    if failure is not None:
+        why = failure.message if isinstance(failure, EnvdError) else "no answer"
+        raise GuestError(f"sandbox {rec.id} runs again, but its guest agent did not answer within "
+                         f"{orch.settings.restore_timeout_s:.0f}s after the resume ({why}); retry, or kill it")
     log.info("sandbox %s: resumed on its parked VM in %.1f ms (parked %.1f s)", rec.id,
              (time.perf_counter() - t0) * 1e3, time.monotonic() - p.since)
     return live.record

@@ -105,10 +105,14 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
         cp = live.record.paused
         orch.check_count()
         if live.parked is not None and memory and not cp.filesystem_only:
-            if rec := await parking.wake(orch, live, cp, timeout):
-                orch.repo.delete(cp.id)  # the record pins the layers now
-                orch.schedule_gc()
-                return rec
+            try:
+                woken = await parking.wake(orch, live, cp, timeout)
+            finally:
+                if live.record.state == State.RUNNING:  # (even if its guest did not answer)
+                    orch.repo.delete(cp.id)  # the record pins the layers now
+                    orch.schedule_gc()
+            if woken is not None:
+                return woken
         parking.evict(orch, live, why="resumed without its memory")  # if it has one still
         await live.settled()
         await orch.admit()

@@ -11,7 +11,9 @@ checkpoint or none; recovery settles the sandbox on the state it can prove:
 
     pausing / snapshotting / forking   QEMU alive → continued, ``running`` (disk top read back
                                        from QEMU); dead → ``error``
-    resuming                           QEMU alive → ``running``; none → back to ``paused``
+    resuming                           QEMU alive and recorded (a parked VM being woken) →
+                                       ``running``; otherwise (none, or a restore cut short
+                                       before its slot was recorded) → back to ``paused``
     paused                             a QEMU still left (killed between the two steps, or
                                        parked: orchestrator/parking.py) is killed
 
@@ -61,6 +63,13 @@ async def recover(orch: Orchestrator) -> None:
             continue
         if rec.state == State.PAUSED:
             await _kill_leftover(Path(rec.run_dir))
+            continue
+        if rec.state == State.RESUMING and rec.slot_index is None and rec.paused is not None:
+            # a restore cut short before its VM was recorded: the saved state stands
+            await _kill_leftover(Path(rec.run_dir))
+            live.record = rec.with_(state=State.PAUSED)
+            await orch.store.put(live.record)
+            log.warning("sandbox %s: resume interrupted before its VM ran; it is paused", rec.id)
             continue
         if rec.slot_index is not None:
             orch.slots.mark_used(rec.slot_index)

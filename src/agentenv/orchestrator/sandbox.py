@@ -36,15 +36,21 @@ class LiveSandbox:
     parked: Parked | None = None  # paused, with its stopped VM kept (machine/slot/envd are None)
 
     async def settled(self) -> None:
-        """Wait until the resources of a previous pause are freed (errors were logged)."""
-        task, self.releasing = self.releasing, None
-        if task is not None:
-            try:
-                await task
-            except Exception:  # noqa: BLE001 — a failed kill is logged; the run dir is reused anyway
-                import logging
+        """Wait until the resources of a previous pause are freed (errors were logged). Any
+        number of callers may wait (a resume, a kill, an eviction for memory); a waiter that
+        is cancelled does not cancel the freeing."""
+        task = self.releasing
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        except Exception:  # noqa: BLE001 — a failed kill is logged; the run dir is reused anyway
+            import logging
 
-                logging.getLogger(__name__).exception("freeing the paused VM of %s failed", self.id)
+            logging.getLogger(__name__).exception("freeing the paused VM of %s failed", self.id)
+        finally:
+            if self.releasing is task and task.done():
+                self.releasing = None
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.record.id} {self.record.state.value.upper()}>"

@@ -194,8 +194,13 @@ class Orchestrator:
                 f"kill or pause some, or retry later")
 
     async def admit(self, more: int = 1) -> None:
-        """Raise CapacityExhausted unless ``more`` new VMs fit: by count, and by host memory
-        once parked VMs (their state is saved) have been freed for it."""
+        """Raise CapacityExhausted unless ``more`` new VMs fit: by count, and by host memory,
+        once parked VMs (their state is saved) have been freed for it. Parked VMs count
+        against AENV_MAX_SANDBOXES too, so they never hold more VMs (and slots) than it."""
+        active = sum(1 for s in self._live.values() if s.record.state in ACTIVE)
+        while active + len(parking.parked(self)) + more > self.settings.max_sandboxes:
+            if not await parking.evict_oldest(self, "room for a new VM (AENV_MAX_SANDBOXES)"):
+                break
         self.check_count(more)
         while (why := memory_shortfall(self.settings.mem_reserve_mb, more)) is not None:
             if not await parking.evict_oldest(self, "memory for a new VM"):

@@ -364,13 +364,13 @@ class _PageWriter:
         self.f = f
         self.pos = PAGE
         self.fd: int | None = None
+        f.seek(PAGE)
         if direct:
             try:
                 self.fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-        f.seek(PAGE)
 
     def write(self, data: memoryview) -> None:
         if self.fd is not None:
