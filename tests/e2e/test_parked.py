@@ -200,3 +200,28 @@ def test_parked_vms_are_freed_first_below_the_memory_reserve(tmp_path: Path) -> 
             b.kill()
     finally:
         s.kill_all()
+
+
+def test_parked_vms_count_against_the_sandbox_limit(tmp_path: Path) -> None:
+    """With AENV_MAX_SANDBOXES=2: a parked VM makes way for a new sandbox instead of the
+    create being refused, and the paused sandbox still resumes (restored) afterwards."""
+    s = ServerProcess(tmp_path / "data", node_cidr(35), AENV_POOL_SIZE="0", AENV_MAX_SANDBOXES="2",
+                      AENV_PAUSE_LINGER_S="60")
+    s.start()
+    try:
+        with s.client() as api:
+            a, b = Busy(api), Busy(api)
+            a.pause()
+            assert host.qemu_pids(a.sid), "parked"
+            r = api.post("/sandboxes", json={"templateID": "base", "timeout": 600})
+            assert r.status_code == 201, r.text
+            assert host.qemu_gone(a.sid, timeout=5), "the parked VM made way"
+            assert "AENV_MAX_SANDBOXES" in s.log.read_text()
+            assert api.post(f"/sandboxes/{a.sid}/resume", json={"timeout": 600}).status_code == 429, \
+                "two run: the limit holds for the resume"
+            api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+            a.resume()
+            a.assert_intact()
+            b.assert_intact()
+    finally:
+        s.kill_all()

@@ -187,6 +187,13 @@ class Checkpointer:
             memory = (await self._compact(memory),)
         return info.pages, memory, dev_ref
 
+    async def prefetch(self, cp: Checkpoint) -> None:
+        """Bring the checkpoint's newest memory layer into the page cache (in the background):
+        a sandbox that runs on from ``cp`` without having read it (a parked VM woken) compares
+        its next capture with it."""
+        if cp.memory:
+            await asyncio.to_thread(ml.prefetch, self.repo.layer_path(cp.memory[-1].name))
+
     async def materialize(self, cp: Checkpoint, out: Path) -> Path:
         """One memory file = template memory + the checkpoint's layers, for many sandboxes to
         map copy-on-write (a fork's children): they share its page cache and start without

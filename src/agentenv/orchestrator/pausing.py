@@ -112,6 +112,7 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
                     orch.repo.delete(cp.id)  # the record pins the layers now
                     orch.schedule_gc()
             if woken is not None:
+                orch._in_background(orch.checkpoints.prefetch(cp), f"reading the memory layer of {sandbox_id}")
                 return woken
         parking.evict(orch, live, why="resumed without its memory")  # if it has one still
         await live.settled()

@@ -614,6 +614,20 @@ def _write_newest(f: BinaryIO, index: _Chain, digest: xxhash.xxh3_128) -> None:
         digest.update(block)
 
 
+def prefetch(path: Path) -> None:
+    """Read a layer into the page cache (in a worker thread, in the background): a sandbox
+    resumed on its parked VM compares its next capture with this layer, which its pause wrote
+    with direct I/O (``capture(uncached=True)``). A plain read, because the kernel's own
+    readahead (``POSIX_FADV_WILLNEED``) stops after a few MiB."""
+    buf = bytearray(_CHUNK)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    except OSError:
+        pass  # an optimisation only
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file, or a directory (which makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY)
