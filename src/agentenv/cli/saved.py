@@ -35,7 +35,9 @@ def pause(
         "--filesystem-only", help="Keep only the disk (the guest flushes its files first); resuming boots it "
         "again, without its processes.")] = False,
 ) -> None:
-    """Pause a running sandbox: its memory and disk are saved and it stops using CPU and RAM."""
+    """Pause a running sandbox: its memory and disk are saved and it stops using CPU. Its RAM is
+    given back when the node needs it, and at the latest AENV_PAUSE_LINGER_S (60 s) after the
+    pause; a resume before then continues the same VM (milliseconds instead of a restore)."""
     body = {"memory": False} if filesystem_only else {}
     with client_for(ctx) as client:
         with status(f"Pausing sandbox {sandbox_id}…"):
