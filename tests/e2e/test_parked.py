@@ -5,7 +5,9 @@ of the sandbox lost in any of these."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import signal
 import subprocess
 import time
@@ -223,5 +225,58 @@ def test_parked_vms_count_against_the_sandbox_limit(tmp_path: Path) -> None:
             a.resume()
             a.assert_intact()
             b.assert_intact()
+    finally:
+        s.kill_all()
+
+
+def test_concurrent_pauses_resumes_and_kills_race_the_linger_and_lose_nothing(tmp_path: Path) -> None:
+    """Four clients pause, resume and kill their sandboxes at once, with a linger of one second:
+    resumes land before, at and after the expiry, kills land on parked and freed VMs. Every
+    resume finds the sandbox's file and RAM data intact, and nothing is left afterwards."""
+    s = ServerProcess(tmp_path / "data", node_cidr(36), AENV_POOL_SIZE="2", AENV_SLOT_POOL_SIZE="2",
+                      AENV_PAUSE_LINGER_S="1")
+    s.start()
+    rng = random.Random(7)
+
+    async def client(c: httpx.AsyncClient, w: int) -> None:
+        for r in range(5):
+            r0 = await c.post("/sandboxes", json={"templateID": "base", "timeout": 600})
+            assert r0.status_code == 201, r0.text
+            sid = r0.json()["sandboxID"]
+            tag = f"{w}-{r}"
+            try:
+                out = await c.post(f"/sandboxes/{sid}/exec", json={"cmd": f"echo {tag} > /home/user/tag; "
+                                   "head -c 4000000 /dev/urandom > /dev/shm/b; md5sum < /dev/shm/b > /home/user/m"})
+                assert out.status_code == 200, out.text
+                for _ in range(rng.randint(1, 3)):
+                    p = await c.post(f"/sandboxes/{sid}/pause")
+                    assert p.status_code == 204, p.text
+                    await asyncio.sleep(rng.choice([0, 0.3, 0.9, 1.0, 1.1, 1.6]))
+                    if rng.random() < 0.2:
+                        break  # killed while paused: parked, being freed, or freed
+                    q = await c.post(f"/sandboxes/{sid}/resume", json={"timeout": 600})
+                    assert q.status_code == 201, q.text
+                    out = await c.post(f"/sandboxes/{sid}/exec", json={
+                        "cmd": "cat /home/user/tag; md5sum < /dev/shm/b | diff - /home/user/m && echo same"})
+                    assert out.json()["stdout"] == f"{tag}\nsame\n", out.text
+            finally:
+                d = await c.delete(f"/sandboxes/{sid}")
+                assert d.status_code == 204, d.text
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=s.url, headers={"X-API-Key": s.api_key}, timeout=120) as c:
+            await asyncio.gather(*(client(c, w) for w in range(4)))
+
+    try:
+        asyncio.run(main())
+        with s.client() as api:
+            assert api.get("/sandboxes", params={"state": "running,paused,error"}).json() == []
+        deadline = time.monotonic() + 60  # the pool refills after the last creates
+        while (d := httpx.get(f"{s.url}/health/details").json())["poolReady"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert d["parkedVMs"] == 0 and d["sandboxes"] == {} and d["poolReady"] == 2, d
+        assert len(host.qemu_pids(str(s.data_dir))) == d["poolReady"], "only the warm pool's shells run"
+        assert len(host.sandbox_dirs(s.data_dir)) == d["poolReady"], "no run dir but the shells'"
+        assert "Traceback" not in s.log.read_text()
     finally:
         s.kill_all()
