@@ -9,7 +9,8 @@ caller gets a typed "try again" (429) that says why, once the stopped VMs of pau
 kept for a quick resume have been freed for it (orchestrator/parking.py). Below the reserve
 itself, those go first, then the warm pool gives back the shells it holds (an idle restored
 sandbox each), so the memory goes to the running sandboxes instead of to ones nobody asked for
-yet; it refills once a new sandbox fits again (``SANDBOX_MIN_MB`` above the reserve, which keeps the two from alternating).
+yet; it refills once a new sandbox fits again (``SANDBOX_MIN_MB`` above the reserve, which
+keeps the two from alternating).
 """
 
 from __future__ import annotations

@@ -55,6 +55,12 @@ async def free(orch: Orchestrator, machine: Machine, envd: EnvdClient | None, sl
             await orch.slots.release(slot)
 
 
+def free_later(orch: Orchestrator, live: LiveSandbox, machine: Machine, envd: EnvdClient | None,
+               slot: Slot | None) -> None:
+    """``free`` in the background; ``live.settled()`` waits for it (resume and kill do)."""
+    live.releasing = asyncio.get_running_loop().create_task(free(orch, machine, envd, slot))
+
+
 def park(orch: Orchestrator, live: LiveSandbox, machine: Machine, envd: EnvdClient, slot: Slot) -> None:
     """Keep the stopped VM of ``live`` (just paused) for ``pause_linger_s``."""
     p = Parked(machine, envd, slot, since=time.monotonic())
@@ -78,7 +84,7 @@ def evict(orch: Orchestrator, live: LiveSandbox, p: Parked | None = None, why: s
         return False
     p = take(live)
     assert p is not None
-    live.releasing = asyncio.get_running_loop().create_task(free(orch, p.machine, p.envd, p.slot))
+    free_later(orch, live, p.machine, p.envd, p.slot)
     log.info("sandbox %s: its parked VM is freed (%s)", live.id, why)
     return True
 
@@ -128,7 +134,7 @@ async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: i
             raise VmmError("its QEMU exited while parked")
         await p.machine.qmp("cont")
     except BaseException as exc:  # the VM did not run: the saved state is the sandbox's state
-        live.releasing = asyncio.get_running_loop().create_task(free(orch, p.machine, p.envd, p.slot))
+        free_later(orch, live, p.machine, p.envd, p.slot)
         live.record = live.record.with_(slot_index=None)
         if live.record.state == State.RESUMING:
             await orch._transition(live, State.PAUSED)

@@ -87,7 +87,7 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
         if park and envd is not None and slot is not None:
             parking.park(orch, live, machine, envd, slot)
         else:
-            live.releasing = asyncio.get_running_loop().create_task(parking.free(orch, machine, envd, slot))
+            parking.free_later(orch, live, machine, envd, slot)
         log.info("sandbox %s: paused%s in %.1f ms", sandbox_id, "" if memory else " (filesystem only)",
                  (time.perf_counter() - t0) * 1e3)
         return live.record

@@ -185,10 +185,13 @@ class Orchestrator:
                                  else f"Timeout cannot be greater than {limit} seconds")
         return timeout_s
 
+    def _active(self) -> int:
+        """Sandboxes that hold a running VM (parked VMs are counted apart)."""
+        return sum(1 for s in self._live.values() if s.record.state in ACTIVE)
+
     def check_count(self, more: int = 1) -> None:
         """Raise CapacityExhausted unless ``more`` sandboxes fit in AENV_MAX_SANDBOXES."""
-        active = sum(1 for s in self._live.values() if s.record.state in ACTIVE)
-        if active + more > self.settings.max_sandboxes:
+        if (active := self._active()) + more > self.settings.max_sandboxes:
             raise CapacityExhausted(
                 f"this node runs {active} of its maximum of {self.settings.max_sandboxes} sandboxes; "
                 f"kill or pause some, or retry later")
@@ -197,7 +200,7 @@ class Orchestrator:
         """Raise CapacityExhausted unless ``more`` new VMs fit: by count, and by host memory,
         once parked VMs (their state is saved) have been freed for it. Parked VMs count
         against AENV_MAX_SANDBOXES too, so they never hold more VMs (and slots) than it."""
-        active = sum(1 for s in self._live.values() if s.record.state in ACTIVE)
+        active = self._active()
         while active + len(parking.parked(self)) + more > self.settings.max_sandboxes:
             if not await parking.evict_oldest(self, "room for a new VM (AENV_MAX_SANDBOXES)"):
                 break
