@@ -9,9 +9,9 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -140,8 +140,7 @@ def test_a_parked_vm_that_died_is_replaced_by_a_restore(node: ServerProcess, bus
 
 def test_killing_a_parked_sandbox_frees_its_vm_and_namespace(node: ServerProcess, api: httpx.Client) -> None:
     b = Busy(api)
-    ns = subprocess.run(["ip", "netns", "identify", str(next(iter(host.qemu_pids(b.sid))))],
-                        capture_output=True, text=True).stdout.strip()
+    ns = host.netns_of(next(iter(host.qemu_pids(b.sid))))
     assert ns in host.netns_names()
     b.pause()
     assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
@@ -225,6 +224,68 @@ def test_parked_vms_count_against_the_sandbox_limit(tmp_path: Path) -> None:
             a.resume()
             a.assert_intact()
             b.assert_intact()
+    finally:
+        s.kill_all()
+
+
+def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_nothing(tmp_path: Path) -> None:
+    """Once ``cont`` ran there is no going back to the saved state (the guest ran; its disk
+    moved on). Injected fault ``hang_after_wake``: the VM is stopped again right after ``cont``,
+    so the guest never answers the clock update. The resume then answers 502 within the
+    restore timeout and the sandbox is ``running`` (it can be killed, or retried); if its QEMU
+    dies meanwhile, the resume answers 500 and the sandbox is ``error``. Either way a kill
+    leaves no QEMU, run dir or namespace."""
+    s = ServerProcess(tmp_path / "data", node_cidr(37), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
+                      AENV_PAUSE_LINGER_S="60", AENV_FAULTS="hang_after_wake", AENV_RESTORE_TIMEOUT="3")
+    s.start()
+
+    def gone(sid: str, ns: str) -> None:
+        assert host.qemu_gone(sid, timeout=5)
+        assert sid not in host.sandbox_dirs(s.data_dir)
+        deadline = time.monotonic() + 10  # the namespace goes after the answer
+        while ns in host.netns_names() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ns not in host.netns_names()
+
+    try:
+        with s.client() as api:
+            # The guest does not answer after cont.
+            b = Busy(api)
+            (pid,) = host.qemu_pids(b.sid)
+            ns = host.netns_of(pid)
+            b.pause()
+            t0 = time.monotonic()
+            r = api.post(f"/sandboxes/{b.sid}/resume", json={"timeout": 600})
+            assert r.status_code == 502 and "did not answer" in r.json()["message"], r.text
+            assert time.monotonic() - t0 < 15, "bounded by the restore timeout"
+            assert api.get(f"/sandboxes/{b.sid}").json()["state"] == "running"
+            assert host.qemu_pids(b.sid) == {pid}, "the VM that ran is kept, not swapped for the saved state"
+            assert api.post(f"/sandboxes/{b.sid}/resume").status_code == 409, "it is not paused any more"
+            assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
+            gone(b.sid, ns)
+
+            # Its QEMU dies while the resume waits for the guest.
+            b = Busy(api)
+            (pid,) = host.qemu_pids(b.sid)
+            ns = host.netns_of(pid)
+            b.pause()
+
+            def resume() -> httpx.Response:
+                with s.client() as other:
+                    return other.post(f"/sandboxes/{b.sid}/resume", json={"timeout": 600})
+
+            with ThreadPoolExecutor(1) as ex:
+                pending = ex.submit(resume)
+                time.sleep(1.0)  # within the 3 s the resume waits for the stopped guest
+                assert not pending.done()
+                os.kill(pid, signal.SIGKILL)
+                r = pending.result()
+            assert r.status_code == 500 and "QEMU exited" in r.json()["message"], r.text
+            info = api.get(f"/sandboxes/{b.sid}").json()
+            assert info["state"] == "error" and "QEMU exited" in info["error"], info
+            assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
+            gone(b.sid, ns)
+            assert api.get(f"/sandboxes/{b.sid}").status_code == 404
     finally:
         s.kill_all()
 

@@ -7,12 +7,17 @@ from pathlib import Path
 
 from agentenv.bench.node import qemu_gone, qemu_pids
 
-__all__ = ["qemu_pids", "qemu_gone", "netns_names", "node_netns", "sandbox_dirs"]
+__all__ = ["qemu_pids", "qemu_gone", "netns_names", "netns_of", "node_netns", "sandbox_dirs"]
 
 
 def netns_names() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def netns_of(pid: int) -> str:
+    """The named network namespace a process runs in ("" if none)."""
+    return subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True).stdout.strip()
 
 
 def sandbox_dirs(data_dir: Path) -> set[str]:

@@ -148,6 +148,8 @@ async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: i
     rec = live.record
     failure: BaseException | None = None
     await orch.checkpoints.crash_point("wake_after_cont")
+    if "hang_after_wake" in orch.settings.faults:
+        await p.machine.qmp("stop")  # injected fault (tests): a guest that stops answering
     try:
         await asyncio.wait_for(p.envd.init(sandbox_id=rec.id, template_id=rec.template, env_vars={},
                                            access_token=rec.access_token), orch.settings.restore_timeout_s)
