@@ -93,6 +93,45 @@ def test_pause_and_connect_async(sdk: SDK) -> None:
     assert out == {"pause": True, "info": "paused", "read": "async", "fork_read": "async"}
 
 
+def test_snapshot_and_fork_do_not_cut_traffic_to_the_sandbox(sdk: SDK) -> None:
+    """A snapshot or a fork stops the sandbox only for its capture: a command streaming its
+    output through the proxy meanwhile keeps streaming, and commands sent meanwhile run (E2B
+    lists the sandbox as running throughout)."""
+    out = sdk.python(PY_LATEST, """
+        import json, threading
+        from e2b import Sandbox
+        o = {"errors": []}
+        sb = Sandbox.create(timeout=300)
+        h = sb.commands.run("for i in $(seq 1 60); do echo $i; sleep 0.05; done", background=True)
+        done = threading.Event()
+        def poke():
+            while not done.is_set():
+                try:
+                    assert sb.commands.run("echo ok").stdout == "ok\\n"
+                    sb.get_info()
+                except Exception as exc:
+                    o["errors"].append(repr(exc)[:300])
+        t = threading.Thread(target=poke)
+        t.start()
+        snaps = [sb.create_snapshot() for _ in range(2)]
+        forks = sb.fork(count=1, timeout=120)
+        done.set()
+        t.join()
+        r = h.wait()
+        o["exit"], o["lines"] = r.exit_code, r.stdout.split()
+        o["fork_runs"] = forks[0].commands.run("echo child").stdout
+        for f in forks:
+            f.kill()
+        for snap in snaps:
+            Sandbox.delete_snapshot(snap.snapshot_id)
+        sb.kill()
+        print(json.dumps(o))
+    """, timeout=600)
+    assert out["errors"] == [], out["errors"]
+    assert out["exit"] == 0 and out["lines"] == [str(i) for i in range(1, 61)], out
+    assert out["fork_runs"] == "child\n"
+
+
 def test_filesystem_only_pause_snapshot_and_reboot(sdk: SDK) -> None:
     """SDK 2.63's ``mode="filesystem"`` (pause and snapshot) and ``on_resume="reboot"``: files
     are kept, the guest boots again (new boot_id), the sandbox's env vars are still there."""

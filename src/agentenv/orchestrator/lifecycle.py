@@ -54,6 +54,11 @@ ACTIVE = frozenset({State.CREATING, State.RUNNING, State.PAUSING, State.RESUMING
 def allowed(src: State, dst: State) -> bool:
     return dst in TRANSITIONS[src]
 
+# The guest runs, or stands still only for a moment (a snapshot or a fork captures it and lets
+# it go on with the same agent and address): its ports are served, commands and files reach it,
+# and its timeout can be changed. A pause does not count: its VM goes.
+GUEST_UP: frozenset[State] = frozenset({State.RUNNING, State.SNAPSHOTTING, State.FORKING})
+
 
 def api_state(state: State) -> str:
     """What E2B clients see: they know only ``running`` and ``paused``. A sandbox in a brief

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Collection, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from agentenv.orchestrator import leftovers, parking
 from agentenv.orchestrator.capacity import below_reserve, memory_shortfall
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.idempotency import CreateOnce
-from agentenv.orchestrator.lifecycle import ACTIVE, State, allowed
+from agentenv.orchestrator.lifecycle import ACTIVE, GUEST_UP, State, allowed
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.sandbox import LiveSandbox
 from agentenv.orchestrator.shells import Shell, make_shell
@@ -302,7 +302,7 @@ class Orchestrator:
         self.schedule_gc()
 
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
-        live = self._require(sandbox_id, {State.RUNNING})
+        live = self._require(sandbox_id, GUEST_UP)
         self.validate_timeout(timeout_s)
         live.record = live.record.with_(end_at=time.time() + timeout_s, timeout_s=timeout_s)
         await self.store.put(live.record)
@@ -353,12 +353,13 @@ class Orchestrator:
         await self.store.put(live.record)
         log.info("sandbox %s: %s -> %s", live.id, src.value, dst.value)
 
-    def _require(self, sandbox_id: str, states: set[State]) -> LiveSandbox:
+    def _require(self, sandbox_id: str, states: Collection[State]) -> LiveSandbox:
         live = self._live.get(sandbox_id)
         if live is None:
             raise SandboxNotFound(sandbox_id)
         if live.record.state not in states:
-            raise SandboxStateError(sandbox_id, live.record.state.value, "/".join(s.value for s in states))
+            required = "running" if states is GUEST_UP else "/".join(sorted(s.value for s in states))
+            raise SandboxStateError(sandbox_id, live.record.state.value, required)
         return live
 
     async def _reaper(self) -> None:
@@ -406,7 +407,7 @@ class Orchestrator:
     # -- data plane -----------------------------------------------------------------------
 
     def envd(self, sandbox_id: str) -> EnvdClient:
-        live = self._require(sandbox_id, {State.RUNNING})
+        live = self._require(sandbox_id, GUEST_UP)
         assert live.envd is not None
         return live.envd
 
@@ -579,7 +580,7 @@ class Orchestrator:
 
     async def refresh(self, sandbox_id: str, duration_s: int) -> SandboxRecord:
         """Keep a running sandbox alive for at least ``duration_s`` more seconds (never shortens)."""
-        live = self._require(sandbox_id, {State.RUNNING})
+        live = self._require(sandbox_id, GUEST_UP)
         self.validate_timeout(duration_s)
         end = max(live.record.end_at, time.time() + duration_s)
         live.record = live.record.with_(end_at=end)
@@ -602,7 +603,7 @@ class Orchestrator:
 
     def guest_address(self, sandbox_id: str) -> str:
         """The address at which the host reaches every port of a running sandbox's guest."""
-        live = self._require(sandbox_id, {State.RUNNING})
+        live = self._require(sandbox_id, GUEST_UP)
         assert live.slot is not None
         return live.slot.ns_addr
 
@@ -613,7 +614,7 @@ class Orchestrator:
         Samples are read from the guest's /proc and statfs through the agent when asked for
         (at most one every 5 s), not by a background poller: an idle sandbox costs nothing.
         Each is a dict with E2B's SandboxMetric fields (timestamp as unix seconds)."""
-        live = self._require(sandbox_id, {State.RUNNING})
+        live = self._require(sandbox_id, GUEST_UP)
         samples = self._metrics.setdefault(sandbox_id, [])
         now = time.time()
         if (not samples or now - samples[-1]["timestampUnix"] >= 5) and (end is None or end >= now - 1):

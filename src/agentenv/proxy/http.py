@@ -18,7 +18,7 @@ import httpx
 
 from agentenv.envd_client import EnvdError
 from agentenv.errors import NotFound, SandboxStateError
-from agentenv.orchestrator import Orchestrator, State
+from agentenv.orchestrator import GUEST_UP, Orchestrator, State
 from agentenv.proxy import websocket
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,7 @@ class SandboxProxy:
 
     def _running(self, sandbox_id: str) -> bool:
         try:
-            return self.orch.get(sandbox_id).state == State.RUNNING
+            return self.orch.get(sandbox_id).state in GUEST_UP
         except NotFound:
             return False
 
