@@ -46,14 +46,14 @@ class Settings:
     default_timeout_s: int = 300
     max_timeout_s: int = 24 * 3600
     pool_size: int = 16  # restored, frozen sandboxes kept per hot template (a GRPO group's worth)
-    slot_pool_size: int = 16  # network namespaces kept ready: a fork of max_fork children waits for none
+    slot_pool_size: int = 20  # network namespaces kept ready: a fork of max_fork children waits for none
     boot_timeout_s: float = 120.0  # cold boot until the agent answers (TCG is slow)
     restore_timeout_s: float = 20.0  # restore until the agent answers
     tcg_tb_size_mb: int = 128  # TCG translation cache per VM (MiB, filled as used): see machines.md
     tcg_cpu: str = DEFAULT_TCG_CPU  # QEMU -cpu under TCG for new template snapshots (see above)
     guest_aslr: bool = False  # under TCG, ASLR in the guest makes every exec 2-3x slower
     ksm: bool = False  # merge identical pages across QEMU processes (one tenant only: vmm/ksm.py)
-    max_fork: int = 16  # children per fork call
+    max_fork: int = 20  # children per fork call (the E2B SDKs allow up to 20)
     max_memory_layers: int = 8  # a longer memory chain is compacted into one layer
     max_disk_layers: int = 16  # a longer disk chain is streamed into the sandbox's overlay
     pause_on_stop: bool = False  # SIGTERM pauses running sandboxes instead of leaving them running

@@ -308,8 +308,8 @@ class SavedStatesApi:
 
     def fork(self, rec: Recorded, sid: str) -> Answer:
         count = self._body(rec).get("count", 1)
-        if not 1 <= count <= 16:
-            return error(400, f"count must be between 1 and 16, got {count}")
+        if not 1 <= count <= 20:
+            return error(400, f"count must be between 1 and 20, got {count}")
         if problem := self._needs(sid, "running"):
             return problem
         items: list[dict[str, Any]] = []

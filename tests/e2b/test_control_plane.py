@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import datetime
 from urllib.parse import quote, urlencode
 
 import httpx
@@ -108,6 +109,42 @@ def test_refresh_extends_never_shortens(api: httpx.Client) -> None:
         assert api.post(f"/sandboxes/{sid}/timeout", json={"timeout": -5}).status_code == 400
     finally:
         api.delete(f"/sandboxes/{sid}")
+
+
+def test_connect_to_a_running_sandbox_extends_it_by_300_s_when_no_timeout_is_given(api: httpx.Client) -> None:
+    """SDK 2.63 and the JS SDK omit ``timeout`` on connect when the caller gives none; E2B then
+    extends the time to live to at least 300 s from now (never shortens it)."""
+    sid = _create(api, timeout=20)["sandboxID"]
+    try:
+        r = api.post(f"/v2/sandboxes/{sid}/connect", json={})
+        assert r.status_code == 200, r.text
+        left = _seconds_left(api.get(f"/sandboxes/{sid}").json()["endAt"])
+        assert 290 < left <= 301, left
+        assert api.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 30}).status_code == 200
+        assert _seconds_left(api.get(f"/sandboxes/{sid}").json()["endAt"]) > 290, "never shortened"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def _seconds_left(end_at: str) -> float:
+    return datetime.fromisoformat(end_at.replace("Z", "+00:00")).timestamp() - time.time()
+
+
+def test_v1_list_shows_running_sandboxes_only(api: httpx.Client) -> None:
+    """SDK 1.x lists with the v1 route, which E2B answers with running sandboxes only."""
+    running, paused = _create(api, metadata={"v1list": "yes"})["sandboxID"], \
+        _create(api, metadata={"v1list": "yes"})["sandboxID"]
+    try:
+        assert api.post(f"/sandboxes/{paused}/pause").status_code == 204
+        q = {"metadata": "v1list=yes"}
+        assert [s["sandboxID"] for s in api.get("/sandboxes", params=q).json()] == [running]
+        both = api.get("/sandboxes", params={**q, "state": "running,paused"}).json()
+        assert {s["sandboxID"] for s in both} == {running, paused}
+        v2 = api.get("/v2/sandboxes", params=q).json()
+        assert {s["sandboxID"] for s in v2} == {running, paused}, "v2 lists both by default"
+    finally:
+        for sid in (running, paused):
+            api.delete(f"/sandboxes/{sid}")
 
 
 def test_templates_and_metrics_of_several_sandboxes(sdk: SDK, api: httpx.Client) -> None:

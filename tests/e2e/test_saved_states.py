@@ -139,7 +139,7 @@ def test_fork_children_inherit_state_and_are_independent(api: httpx.Client, busy
 
 
 def test_fork_count_is_validated(api: httpx.Client, sandbox: str) -> None:
-    for count in (0, 17):
+    for count in (0, 21):
         r = api.post(f"/sandboxes/{sandbox}/fork", json={"count": count})
         assert r.status_code == 400 and "count" in r.json()["message"]
     assert api.post("/sandboxes/inope/fork", json={"count": 1}).status_code == 404

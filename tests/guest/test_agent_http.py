@@ -592,3 +592,24 @@ async def test_multipart_bodies_survive_any_split_and_are_never_changed_after_ha
         got.append((headers["content-disposition"], b"".join(pieces)))
     assert [g[1] for g in got] == [first, second]
     assert got[1][0].endswith('filename="b"')
+
+
+async def test_move_is_a_rename_as_in_envd(client: EnvdClient, tmp_path: Path) -> None:
+    """Move is rename(2), as envd's os.Rename: never "into" an existing directory."""
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "inside").write_text("x")
+    with pytest.raises(EnvdError) as err:
+        await client.move(str(tmp_path / "a.txt"), str(tmp_path / "dir"))
+    assert err.value.code == "internal" and "error renaming" in err.value.message
+    assert (tmp_path / "a.txt").read_text() == "a" and not (tmp_path / "dir" / "a.txt").exists()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("f")
+    (tmp_path / "empty").mkdir()
+    entry = await client.move(str(tmp_path / "src"), str(tmp_path / "empty"))  # replaces an empty dir
+    assert entry["path"] == str(tmp_path / "empty") and (tmp_path / "empty" / "f").read_text() == "f"
+    entry = await client.move(str(tmp_path / "a.txt"), str(tmp_path / "new" / "b.txt"))  # parents made
+    assert entry["name"] == "b.txt" and (tmp_path / "new" / "b.txt").read_text() == "a"
+    with pytest.raises(EnvdError) as err:
+        await client.move(str(tmp_path / "gone"), str(tmp_path / "x"))
+    assert err.value.code == "not_found"

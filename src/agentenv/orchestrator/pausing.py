@@ -147,12 +147,12 @@ async def connect(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
     async with live.lock:  # wait for a transition in progress to finish
         state = live.record.state
     if state == State.RUNNING:
-        if timeout_s is not None:
-            orch.validate_timeout(timeout_s)
-            end = max(live.record.end_at, time.time() + timeout_s)
-            if end != live.record.end_at:
-                live.record = live.record.with_(end_at=end)
-                await orch.store.put(live.record)
+        # E2B: the time to live is only extended, by the default (300 s) when none is given.
+        ttl = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
+        end = max(live.record.end_at, time.time() + ttl)
+        if end != live.record.end_at:
+            live.record = live.record.with_(end_at=end)
+            await orch.store.put(live.record)
         return live.record, False
     return await resume(orch, sandbox_id, timeout_s, memory), True
 

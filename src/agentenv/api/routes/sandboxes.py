@@ -160,10 +160,10 @@ def _select(orch: Orchestrator, states: set[str] | None, metadata: dict[str, str
 @router.get("/sandboxes", response_model=list[ListedSandbox])
 async def list_sandboxes(request: Request, state: str | None = None,
                          metadata: Annotated[list[str] | None, Query()] = None) -> list[ListedSandbox]:
-    """v1 list: no pagination, newest first. Without ``state``, the sandboxes E2B clients can
-    parse (running and paused: e2b 1.x fails on any other state); ``aenv ls`` asks for every
-    state, ``error`` ones included, so that they can be found and killed."""
-    recs = _select(orch_of(request), _parse_states(state, E2B_STATES), _parse_metadata(metadata))
+    """v1 list: no pagination, newest first. Without ``state``, running sandboxes only, as E2B
+    answers SDK 1.x (whose ``Sandbox.list()`` means "the sandboxes I can use now"); ``aenv ls``
+    asks for every state, ``error`` ones included, so that they can be found and killed."""
+    recs = _select(orch_of(request), _parse_states(state, {"running"}), _parse_metadata(metadata))
     return [ListedSandbox.of(r) for r in recs]
 
 

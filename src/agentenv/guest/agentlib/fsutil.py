@@ -151,7 +151,15 @@ def move(source: str, destination: str, user: User) -> dict:
     if not os.path.lexists(source):
         raise ConnectError("not_found", f"path '{source}' does not exist")
     make_dirs(os.path.dirname(destination), user)
-    shutil.move(source, destination)  # rename(2), or copy+delete across filesystems
+    # rename(2), as envd's os.Rename: onto an existing directory it fails or replaces an empty
+    # one, never moves the source inside it (shutil.move would). Across filesystems, where
+    # rename cannot work, a copy and delete to a path that does not exist yet.
+    try:
+        os.rename(source, destination)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV or os.path.lexists(destination):
+            raise ConnectError("internal", f"error renaming: {exc.strerror}: '{source}' -> '{destination}'") from None
+        shutil.move(source, destination)
     return entry_info(destination)
 
 
