@@ -138,6 +138,31 @@ def test_a_parked_vm_that_died_is_replaced_by_a_restore(node: ServerProcess, bus
     assert "its parked VM could not be continued" in node.log.read_text()
 
 
+def test_parked_fork_children_keep_their_memory_file_through_a_gc(api: httpx.Client, busy: Busy) -> None:
+    """Fork children map their fork's memory file; parked, they still do. A gc meanwhile (any
+    kill runs one) must not delete it: the woken child could not be paused or forked again."""
+    r = api.post(f"/sandboxes/{busy.sid}/fork", json={"count": 2, "timeout": 600})
+    assert r.status_code == 201, r.text
+    kids = [item["sandbox"]["sandboxID"] for item in r.json()]
+    try:
+        pids = {k: host.qemu_pids(k) for k in kids}
+        for k in kids:
+            assert api.post(f"/sandboxes/{k}/pause").status_code == 204
+        other = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        assert api.delete(f"/sandboxes/{other}").status_code == 204  # runs the gc
+        time.sleep(0.5)
+        for k in kids:
+            assert api.post(f"/sandboxes/{k}/resume", json={"timeout": 600}).status_code == 201
+            assert host.qemu_pids(k) == pids[k], "woken on its parked VM"
+            r = api.post(f"/sandboxes/{k}/pause")
+            assert r.status_code == 204, r.text
+            assert api.post(f"/sandboxes/{k}/resume", json={"timeout": 600}).status_code == 201
+            assert run(api, k, "md5sum < /dev/shm/blob")["stdout"].split()[0] == busy.md5
+    finally:
+        for k in kids:
+            api.delete(f"/sandboxes/{k}")
+
+
 def test_killing_a_parked_sandbox_frees_its_vm_and_namespace(node: ServerProcess, api: httpx.Client) -> None:
     b = Busy(api)
     ns = host.netns_of(next(iter(host.qemu_pids(b.sid))))

@@ -520,9 +520,13 @@ class Orchestrator:
         async with self.repo.lock:
             pins = await asyncio.to_thread(self.pins)
             removed = await asyncio.to_thread(self.repo.gc, pins, staging_older_than)
-        mapped = {str(live.machine.spec.mem_path) for live in self._live.values() if live.machine is not None}
+        # A fork child's VM maps its fork's memory file while it runs, while it is parked, and
+        # while it is being woken (a resume holds it outside ``live.machine`` until it answers).
+        mapped = {str(m.spec.mem_path) for live in self._live.values()
+                  for m in (live.machine, live.parked.machine if live.parked else None) if m is not None}
+        waking = any(live.record.state == State.RESUMING for live in self._live.values())
         for f in self.settings.mem_dir.glob("fork-*.mem"):
-            if str(f) not in mapped and not self._forking:
+            if str(f) not in mapped and not self._forking and not waking:
                 f.unlink(missing_ok=True)  # a fork's memory file no child maps any more
                 removed.append(f.name)
         return removed
