@@ -138,3 +138,60 @@ def test_hung_guest_agent_fails_create_in_bounded_time(tmp_path: Path) -> None:
             assert after == before
     finally:
         s.kill_all()
+
+
+def test_a_pool_shell_whose_qemu_died_is_destroyed_when_found(tmp_path: Path) -> None:
+    """A ready shell whose QEMU died while it waited (OOM killer, crash) is skipped by the next
+    create and destroyed: its namespace, slot and run dir go, and the pool makes a new one."""
+    s = ServerProcess(tmp_path / "data", node_cidr(38), AENV_POOL_SIZE="2", AENV_SLOT_POOL_SIZE="0")
+    s.start()
+    try:
+        with s.client() as api:
+            first = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+
+            def pool_ready(n: int) -> None:
+                deadline = time.monotonic() + 120
+                while api.get("/health/details").json()["poolReady"] != n and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert api.get("/health/details").json()["poolReady"] == n
+
+            pool_ready(2)
+            shells = host.sandbox_dirs(s.data_dir) - {first}
+            assert len(shells) == 2
+            for shell in shells:
+                for pid in host.qemu_pids(shell):
+                    os.kill(pid, signal.SIGKILL)
+                assert host.qemu_gone(shell)
+            second = api.post("/sandboxes", json={"templateID": "base"})
+            assert second.status_code == 201, second.text
+            assert run(api, second.json()["sandboxID"], "echo ok")["stdout"] == "ok\n"
+            pool_ready(2)
+            deadline = time.monotonic() + 10
+            while host.sandbox_dirs(s.data_dir) & shells and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not host.sandbox_dirs(s.data_dir) & shells, "the dead shells' run dirs are removed"
+            assert len(host.node_netns(s.data_dir)) == 4, "two sandboxes and two new shells, nothing more"
+    finally:
+        s.kill_all()
+
+
+def test_concurrent_creates_do_not_pass_the_sandbox_limit(tmp_path: Path) -> None:
+    """Creates admitted at once count each other while they start (no pool: each restores
+    inline for a while): with AENV_MAX_SANDBOXES=2, four at once give two sandboxes and two 429s."""
+    s = ServerProcess(tmp_path / "data", node_cidr(39), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
+                      AENV_MAX_SANDBOXES="2")
+    s.start()
+    try:
+        with s.client() as api:
+            api.delete(f"/sandboxes/{api.post('/sandboxes', json={'templateID': 'base'}).json()['sandboxID']}")
+
+            def create(_i: int) -> httpx.Response:
+                with s.client() as c:
+                    return c.post("/sandboxes", json={"templateID": "base"})
+
+            with ThreadPoolExecutor(4) as ex:
+                answers = list(ex.map(create, range(4)))
+            assert sorted(r.status_code for r in answers) == [201, 201, 429, 429], [r.text for r in answers]
+            assert len(all_sandboxes(api)) == 2
+    finally:
+        s.kill_all()

@@ -60,8 +60,8 @@ def interrupt(node: ServerProcess, api: httpx.Client, route: str, body: dict, po
     wait_for_log(node, f"crash point {point} reached")
 
 
-def busy_sandbox(api: httpx.Client) -> str:
-    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 900}).json()["sandboxID"]
+def busy_sandbox(api: httpx.Client, **options: object) -> str:
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 900, **options}).json()["sandboxID"]
     run(api, sid, COUNTER)
     run(api, sid, "echo before > /home/user/f.txt; head -c 4194304 /dev/urandom > /dev/shm/r")
     return sid
@@ -265,7 +265,7 @@ def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pyte
     try:
         s.start()
         with s.client() as api:
-            sid = busy_sandbox(api)
+            sid = busy_sandbox(api, autoPause=True)
             run(api, sid, "head -c 20971520 /dev/urandom > /dev/shm/big")
             filler = s.data_dir / "filler"
             subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=600"], capture_output=True)
@@ -280,8 +280,23 @@ def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pyte
             assert counter(api, sid) > c
             assert list((s.data_dir / "repository" / "staging").iterdir()) == []
             assert list((s.data_dir / "repository" / "manifests").iterdir()) == []
-            filler.unlink()
-            assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+            if linger == "0":
+                # The timeout's auto-pause fails the same way: retried with a growing delay,
+                # the sandbox running meanwhile, and done once there is room.
+                assert api.post(f"/sandboxes/{sid}/timeout", json={"timeout": 1}).status_code == 204
+                time.sleep(8)
+                retries = s.log.read_text().count(f"reaper could not pause {sid}")
+                assert 1 <= retries <= 3, f"{retries} tries in 8 s"
+                assert "retrying in 10 s" in s.log.read_text()
+                assert state(api, sid) == "running" and counter(api, sid) > c
+                filler.unlink()
+                deadline = time.monotonic() + 30
+                while state(api, sid) != "paused" and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                assert state(api, sid) == "paused", "auto-paused once there is room"
+            else:
+                filler.unlink()
+                assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
             assert api.post(f"/sandboxes/{sid}/resume").status_code == 201
             assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\n"
     finally:

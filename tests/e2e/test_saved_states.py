@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -261,3 +262,27 @@ def test_repository_is_empty_once_everything_is_deleted(api: httpx.Client, serve
 
         mem_dir = Settings(data_dir=server.data_dir).mem_dir
         assert list(mem_dir.glob("fork-*.mem")) == [], "a fork's memory file outlived its children"
+
+
+def test_a_snapshot_deleted_while_a_sandbox_starts_from_it_leaves_that_sandbox_whole(
+        api: httpx.Client, busy: tuple[str, str, str]) -> None:
+    """The files of a saved state stay while a sandbox is being started from it, even if the
+    snapshot is deleted meanwhile; the new sandbox's record pins them after that."""
+    sid, _pid, md5 = busy
+    r = api.post(f"/sandboxes/{sid}/snapshots", json={})
+    assert r.status_code == 201, r.text
+    snap = r.json()["snapshotID"]
+    with ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(lambda: api.post("/sandboxes", json={"templateID": snap, "timeout": 600}))
+        time.sleep(0.05)
+        assert api.delete(f"/snapshots/{snap}").status_code == 204
+        child = pending.result()
+    assert child.status_code == 201, child.text
+    cid = child.json()["sandboxID"]
+    try:
+        assert run(api, cid, "md5sum < /dev/shm/blob")["stdout"].split()[0] == md5
+        assert api.post(f"/sandboxes/{cid}/pause").status_code == 204
+        assert api.post(f"/sandboxes/{cid}/resume", json={"timeout": 600}).status_code == 201
+        assert run(api, cid, "cat /home/user/kept.txt")["stdout"] == "on-disk\n"
+    finally:
+        api.delete(f"/sandboxes/{cid}")

@@ -159,10 +159,10 @@ async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s
     if cp.kind not in ("snapshot", "template"):
         raise InvalidRequest(f"'{id_or_name}' is not a snapshot or a template")
     timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
-    await orch.admit()
-    return await _new_sandbox(orch, cp, template=cp.name or cp.id, env_vars=dict(env_vars or {}),
-                              metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
-                              options=options)
+    async with orch.admitted(starting=cp):
+        return await _new_sandbox(orch, cp, template=cp.name or cp.id, env_vars=dict(env_vars or {}),
+                                  metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
+                                  options=options)
 
 
 async def flush_guest(envd: EnvdClient, sandbox_id: str) -> None:
@@ -227,26 +227,27 @@ async def fork(orch: Orchestrator, sandbox_id: str, count: int,
     live = orch._require(sandbox_id, {State.RUNNING, State.SNAPSHOTTING, State.FORKING})
     if timeout_s is not None:
         orch.validate_timeout(timeout_s)
-    await orch.admit(count)
-    t0 = time.perf_counter()
-    cp = await _checkpoint(orch, live, State.FORKING, "fork", None)
-    src = live.record
-    timeout = src.timeout_s if timeout_s is None else timeout_s
-    t1 = time.perf_counter()
-    orch._forking += 1
-    try:
-        mem_file = None
-        if count >= MATERIALIZE_FROM:
-            mem_file = await orch.checkpoints.materialize(cp, orch.settings.mem_dir / f"fork-{cp.id}.mem")
-        results = await asyncio.gather(
-            *(_new_sandbox(orch, cp, template=src.template, env_vars={}, metadata=src.metadata, timeout_s=timeout,
-                           options=_child_options(src.options), mem_file=mem_file) for _ in range(count)),
-            return_exceptions=True)
-    finally:
-        orch._forking -= 1
-    # The children's records pin the layers; the fork manifest itself is not kept.
-    orch.repo.delete(cp.id)
-    orch.schedule_gc()
+    async with orch.admitted(count):  # (each child counts twice once started: until they all are)
+        t0 = time.perf_counter()
+        cp = await _checkpoint(orch, live, State.FORKING, "fork", None)
+        src = live.record
+        timeout = src.timeout_s if timeout_s is None else timeout_s
+        t1 = time.perf_counter()
+        orch._forking += 1
+        try:
+            mem_file = None
+            if count >= MATERIALIZE_FROM:
+                mem_file = await orch.checkpoints.materialize(cp, orch.settings.mem_dir / f"fork-{cp.id}.mem")
+            results = await asyncio.gather(
+                *(_new_sandbox(orch, cp, template=src.template, env_vars={}, metadata=src.metadata,
+                               timeout_s=timeout, options=_child_options(src.options), mem_file=mem_file)
+                  for _ in range(count)),
+                return_exceptions=True)
+        finally:
+            orch._forking -= 1
+            # The children's records pin the layers; the fork manifest itself is not kept.
+            orch.repo.delete(cp.id)
+            orch.schedule_gc()
     out: list[SandboxRecord | Exception] = []
     for r in results:
         if isinstance(r, BaseException) and not isinstance(r, Exception):

@@ -38,6 +38,7 @@ class WarmPool:
         self._hot: dict[Path, TemplateSnapshot] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._destroying: set[asyncio.Task[None]] = set()
 
     def take(self, snapshot: TemplateSnapshot) -> Shell | None:
         """A ready shell for this snapshot, or None. Marks the snapshot hot."""
@@ -48,8 +49,14 @@ class WarmPool:
             if not shell.machine.exited:
                 self._wake.set()
                 return shell
+            self._destroy_later(shell)  # its QEMU died while it waited: return its slot and dir
         self._wake.set()
         return None
+
+    def _destroy_later(self, shell: Shell) -> None:
+        task = asyncio.get_running_loop().create_task(shell.destroy(self._slots))
+        self._destroying.add(task)
+        task.add_done_callback(self._destroying.discard)
 
     async def forget(self, snapshot_dir: Path) -> None:
         """Stop keeping shells of a template snapshot (its template was deleted) and destroy them."""
@@ -75,6 +82,8 @@ class WarmPool:
             for s in shells:
                 await s.destroy(self._slots)
         self._shells.clear()
+        if self._destroying:
+            await asyncio.gather(*self._destroying, return_exceptions=True)
 
     def fill_level(self) -> tuple[int, int]:
         """(shells ready, shells wanted) over every hot snapshot."""
@@ -125,7 +134,12 @@ class WarmPool:
             results = await asyncio.gather(*(self._factory(snap) for _ in range(batch)),
                                            return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]
-            shells.extend(r for r in results if isinstance(r, Shell))
+            made = [r for r in results if isinstance(r, Shell)]
+            if self._shells.get(key) is not shells:  # forgotten meanwhile (its template deleted)
+                for shell in made:
+                    await shell.destroy(self._slots)
+                return True
+            shells.extend(made)
             if failed:
                 log.error("warm pool could not make a shell for %s: %r", key, failed[0])
                 await asyncio.sleep(1.0)

@@ -7,6 +7,7 @@ network, envd_client) and owns the lifecycle state machine; it never contains th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Collection, Coroutine
@@ -78,6 +79,9 @@ class Orchestrator:
         self._tasks: list[asyncio.Task[None]] = []
         self._cleanups: set[asyncio.Task[object]] = set()  # see _in_background
         self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
+        self._reap_retry: dict[str, tuple[float, float]] = {}  # a failed timeout action: (next try, delay)
+        self._admitting = 0  # VMs admitted and starting, not yet in _live (see admitted())
+        self._starting: list[Checkpoint] = []  # saved states sandboxes are being started from
         self.registry = registry or RegistrySettings()  # where images are pulled from (server.py reads the env)
         self._image_locks: dict[str, asyncio.Lock] = {}
         from agentenv.orchestrator.builds import Builds
@@ -186,8 +190,9 @@ class Orchestrator:
         return timeout_s
 
     def _active(self) -> int:
-        """Sandboxes that hold a running VM (parked VMs are counted apart)."""
-        return sum(1 for s in self._live.values() if s.record.state in ACTIVE)
+        """Sandboxes that hold a running VM (parked VMs are counted apart), and those admitted
+        and still starting (not yet in ``_live``)."""
+        return self._admitting + sum(1 for s in self._live.values() if s.record.state in ACTIVE)
 
     def check_count(self, more: int = 1) -> None:
         """Raise CapacityExhausted unless ``more`` sandboxes fit in AENV_MAX_SANDBOXES."""
@@ -205,9 +210,27 @@ class Orchestrator:
             if not await parking.evict_oldest(self, "room for a new VM (AENV_MAX_SANDBOXES)"):
                 break
         self.check_count(more)
-        while (why := memory_shortfall(self.settings.mem_reserve_mb, more)) is not None:
+        # Sandboxes admitted and still starting have not taken their memory yet: counted here.
+        while (why := memory_shortfall(self.settings.mem_reserve_mb, more + self._admitting)) is not None:
             if not await parking.evict_oldest(self, "memory for a new VM"):
                 raise CapacityExhausted(f"{why}: kill or pause some sandboxes, or retry later", retry_after=5)
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, more: int = 1, starting: Checkpoint | None = None) -> AsyncIterator[None]:
+        """``admit`` ``more`` new VMs and count them until the caller has put them in ``_live``
+        (or failed), so that creates running at once see each other against the limits.
+        ``starting``: the saved state they start from, kept from gc meanwhile (its snapshot
+        may be deleted while they start)."""
+        await self.admit(more)
+        self._admitting += more
+        if starting is not None:
+            self._starting.append(starting)
+        try:
+            yield
+        finally:
+            self._admitting -= more
+            if starting is not None:
+                self._starting.remove(starting)
 
     async def create(self, template: str, *, vcpus: int | None = None, memory_mb: int | None = None,
                      timeout_s: int | None = None, metadata: dict[str, str] | None = None,
@@ -226,34 +249,43 @@ class Orchestrator:
         t = self.catalog.get(template)
         v, m = self.validate_shape(t, vcpus, memory_mb)
         timeout = self.validate_timeout(self.settings.default_timeout_s if timeout_s is None else timeout_s)
-        await self.admit()
-        snap = await self.snapshots.get(t, v, m)
-        shell = self.pool.take(snap) or await self._make_shell(snap, prime=False)
-        now = time.time()
-        rec = SandboxRecord(
-            id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
-            disk_mb=t.disk_mb, started_at=now, end_at=now + timeout, access_token=shell.access_token,
-            run_dir=str(shell.run_dir), metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
-            slot_index=shell.slot.index, options=options, base_dir=str(snap.dir),
-            disk_path=str(shell.run_dir / "disk.qcow2"), auto_pause=bool(options.get("autoPause")),
-            timeout_s=timeout,
-        )
-        live = LiveSandbox(rec, shell.machine, shell.slot, shell.envd)
-        self._live[rec.id] = live
-        async with live.lock:  # an operation on it meanwhile (a kill) waits for the create to end
-            try:
-                # Not persisted while creating: if the server dies now, the run dir has no record
-                # and recovery kills its QEMU and removes it; the caller got no answer and retries.
-                await self._apply_egress(live)  # before the guest runs a single instruction
-                await self._restore(live, shell)
-            except BaseException as exc:
-                reason = exc.message if isinstance(exc, PlatformError) else f"create failed: {exc!r}"
-                await self._fail(live, reason)
-                self._live.pop(rec.id, None)
-                await self.store.delete(rec.id)
-                await remove_tree(shell.run_dir)
-                raise
-        return live.record
+        for attempt in range(3):
+            async with self.admitted():
+                snap = await self.snapshots.get(t, v, m)
+                pooled = self.pool.take(snap)
+                shell = pooled or await self._make_shell(snap, prime=False)
+                now = time.time()
+                rec = SandboxRecord(
+                    id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
+                    disk_mb=t.disk_mb, started_at=now, end_at=now + timeout, access_token=shell.access_token,
+                    run_dir=str(shell.run_dir), metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
+                    slot_index=shell.slot.index, options=options, base_dir=str(snap.dir),
+                    disk_path=str(shell.run_dir / "disk.qcow2"), auto_pause=bool(options.get("autoPause")),
+                    timeout_s=timeout,
+                )
+                live = LiveSandbox(rec, shell.machine, shell.slot, shell.envd)
+                self._live[rec.id] = live
+            async with live.lock:  # an operation on it meanwhile (a kill) waits for the create to end
+                try:
+                    # Not persisted while creating: if the server dies now, the run dir has no record
+                    # and recovery kills its QEMU and removes it; the caller got no answer and retries.
+                    await self._apply_egress(live)  # before the guest runs a single instruction
+                    await self._restore(live, shell)
+                except BaseException as exc:
+                    # A ready shell whose QEMU died while it waited (before the loop saw it go):
+                    # not the caller's problem, another shell serves the create.
+                    died = pooled is not None and isinstance(exc, PlatformError) and not shell.machine.alive()
+                    reason = exc.message if isinstance(exc, PlatformError) else f"create failed: {exc!r}"
+                    await self._fail(live, reason)
+                    self._live.pop(rec.id, None)
+                    await self.store.delete(rec.id)
+                    await remove_tree(shell.run_dir)
+                    if died and attempt < 2:
+                        log.warning("ready shell %s had died (%s); the create takes another", rec.id, reason)
+                        continue
+                    raise
+            return live.record
+        raise AssertionError("unreachable")
 
     async def _restore(self, live: LiveSandbox, shell: Shell) -> None:
         t0 = time.perf_counter()
@@ -273,7 +305,9 @@ class Orchestrator:
 
     # -- kill, timeout, failure -------------------------------------------------------------
 
-    async def kill(self, sandbox_id: str) -> None:
+    async def kill(self, sandbox_id: str, *, due: bool = False) -> None:
+        """``due``: the reaper's kill, done only if the sandbox still runs past its end time
+        once the lock is free (a pause or a new timeout may have come first)."""
         live = self._live.get(sandbox_id)
         if live is None:
             raise SandboxNotFound(sandbox_id)
@@ -281,6 +315,8 @@ class Orchestrator:
             if self._live.get(sandbox_id) is not live:  # its create failed meanwhile
                 raise SandboxNotFound(sandbox_id)
             if live.record.state == State.KILLING:
+                return
+            if due and (live.record.state != State.RUNNING or live.record.end_at > time.time()):
                 return
             await self._transition(live, State.KILLING)
             if (parked := parking.take(live)) is not None:  # released below, as a running VM
@@ -295,6 +331,7 @@ class Orchestrator:
                 self._in_background(self.slots.release(slot), f"removing the namespace of {sandbox_id}")
             self._live.pop(sandbox_id, None)
             self._metrics.pop(sandbox_id, None)
+            self._reap_retry.pop(sandbox_id, None)
             await self.store.delete(sandbox_id)
             await remove_tree(Path(live.record.run_dir))
             if live.record.paused is not None:
@@ -368,13 +405,19 @@ class Orchestrator:
             await asyncio.sleep(0.5)
             now = time.time()
             for live in list(self._live.values()):
-                if live.record.state == State.RUNNING and live.record.end_at <= now:
+                if live.record.state == State.RUNNING and live.record.end_at <= now \
+                        and self._reap_retry.get(live.id, (0.0, 0.0))[0] <= now:
                     action = "pause" if live.record.auto_pause else "kill"
                     log.info("sandbox %s reached its timeout: %s", live.id, action)
                     try:
-                        await (self._auto_pause(live) if live.record.auto_pause else self.kill(live.id))
-                    except Exception:  # noqa: BLE001 — background
-                        log.exception("reaper could not %s %s", action, live.id)
+                        await (self._auto_pause(live) if live.record.auto_pause else self.kill(live.id, due=True))
+                        self._reap_retry.pop(live.id, None)
+                    except Exception as exc:  # noqa: BLE001 — background
+                        # Retried with a growing delay (a full disk stays full for a while); the
+                        # sandbox keeps running meanwhile: nothing is lost, and the log says why.
+                        delay = min(60.0, 2 * self._reap_retry.get(live.id, (0.0, 2.5))[1])
+                        self._reap_retry[live.id] = (time.time() + delay, delay)
+                        log.error("reaper could not %s %s (%r); retrying in %.0f s", action, live.id, exc, delay)
 
     async def _auto_pause(self, live: LiveSandbox) -> None:
         """E2B's auto-pause; ``autoPauseMemory: false`` makes it filesystem-only. When the guest
@@ -507,6 +550,8 @@ class Orchestrator:
         """Layers the sandboxes of this node need: their origins, paused states and the disk
         chains under their overlays (read from the qcow2 headers)."""
         out: set[str] = set()
+        for cp in self._starting:
+            out |= cp.layer_names()
         for live in list(self._live.values()):
             rec = live.record
             out |= rec.pins()

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import time
@@ -130,6 +131,13 @@ class Machine:
     @property
     def exited(self) -> bool:
         return self._exit.done()
+
+    def alive(self) -> bool:
+        """Whether QEMU still runs, asked of the kernel now (its pidfd): ``exited`` turns true
+        only once the event loop has handled the exit."""
+        if self.exited or self._pidfd is None:
+            return not self.exited
+        return not select.select([self._pidfd], [], [], 0)[0]
 
     async def wait_exit(self) -> None:
         await asyncio.shield(self._exit)
