@@ -130,6 +130,23 @@ def _seconds_left(end_at: str) -> float:
     return datetime.fromisoformat(end_at.replace("Z", "+00:00")).timestamp() - time.time()
 
 
+def test_the_deprecated_resume_route_sets_auto_pause(api: httpx.Client) -> None:
+    """``POST /sandboxes/{id}/resume`` with ``autoPause`` (ResumedSandbox): at its next timeout
+    the sandbox is paused, not killed."""
+    sid = _create(api, timeout=300)["sandboxID"]
+    try:
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        r = api.post(f"/sandboxes/{sid}/resume", json={"timeout": 3, "autoPause": True})
+        assert r.status_code == 201, r.text
+        assert api.get(f"/sandboxes/{sid}").json()["lifecycle"]["onTimeout"] == "pause"
+        deadline = time.monotonic() + 20
+        while api.get(f"/sandboxes/{sid}").json()["state"] != "paused" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused", "paused at its timeout, not killed"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
 def test_v1_list_shows_running_sandboxes_only(api: httpx.Client) -> None:
     """SDK 1.x lists with the v1 route, which E2B answers with running sandboxes only."""
     running, paused = _create(api, metadata={"v1list": "yes"})["sandboxID"], \

@@ -52,3 +52,57 @@ def test_template_build_through_the_sdk(sdk: SDK, api: httpx.Client) -> None:
     assert out["page"] == "hello from the sdk build\n"
     assert out["rebuild_s"] < out["build_s"]
     print(f"\nSDK build: {out['build_s']}s, unchanged rebuild: {out['rebuild_s']}s")
+
+
+TAGS = """
+    import json
+    from e2b import Sandbox, Template
+    from e2b.exceptions import NotFoundException, TemplateException, SandboxException
+    o = {}
+    t = Template().from_template("base").run_cmd("echo tagged > /home/user/t.txt")
+    info = Template.build(t, name="sdk-tagged:v1")
+
+    def starts(ref, cmd="cat /home/user/t.txt"):
+        try:
+            sb = Sandbox.create(ref, timeout=60)
+        except Exception as exc:
+            return type(exc).__name__ + ": " + str(exc)[:200]
+        try:
+            return sb.commands.run(cmd).stdout.strip()
+        finally:
+            sb.kill()
+
+    o["v1"], o["default"], o["plain"] = starts("sdk-tagged:v1"), starts("sdk-tagged:default"), starts("sdk-tagged")
+    o["nope"] = starts("sdk-tagged:nope")
+    assigned = Template.assign_tags("sdk-tagged:v1", ["prod", "stable"])
+    o["assigned"] = sorted(assigned.tags)
+    o["assigned_build_is_v1s"] = assigned.build_id == {t.tag: t.build_id for t in Template.get_tags("sdk-tagged")}["v1"]
+    o["prod"] = starts("sdk-tagged:prod")
+    o["listed"] = sorted(t.tag for t in Template.get_tags("sdk-tagged"))
+    Template.remove_tags("sdk-tagged", "prod")
+    o["after_remove"] = sorted(t.tag for t in Template.get_tags("sdk-tagged"))
+    o["prod_removed"] = starts("sdk-tagged:prod")
+    try:
+        Template.assign_tags("sdk-tagged:nope", ["x"])
+        o["assign_unknown"] = "no error"
+    except Exception as exc:
+        o["assign_unknown"] = type(exc).__name__
+    o["base_default"] = starts("base:default", "echo up")
+    print(json.dumps(o))
+"""
+
+
+def test_template_tags_through_the_sdk(sdk: SDK, api: httpx.Client) -> None:
+    """``name:tag`` on create, and ``Template.assign_tags`` / ``remove_tags`` / ``get_tags``."""
+    try:
+        out = sdk.python(PY_LATEST, TAGS, timeout=900)
+    finally:
+        api.delete("/templates/sdk-tagged")
+    assert (out["v1"], out["default"], out["plain"], out["prod"]) == ("tagged",) * 4, out
+    assert "has no tag 'nope'" in out["nope"] and "default, v1" in out["nope"], out
+    assert out["assigned"] == ["prod", "stable"] and out["assigned_build_is_v1s"], out
+    assert out["listed"] == ["default", "prod", "stable", "v1"], out
+    assert out["after_remove"] == ["default", "stable", "v1"], out
+    assert "has no tag 'prod'" in out["prod_removed"], out
+    assert out["assign_unknown"] != "no error", out
+    assert out["base_default"] == "up", out  # a built-in template has the default tag

@@ -132,6 +132,8 @@ def test_hung_guest_agent_fails_create_in_bounded_time(tmp_path: Path) -> None:
                 r, elapsed = pending.result()
             assert r.status_code == 502, r.text
             assert "did not answer" in r.json()["message"]
+            # E2B SDKs resend 502s unless told not to: this create must not start more VMs.
+            assert r.headers["should-retry"] == "false"
             assert elapsed < 20, elapsed
             assert all_sandboxes(api) == []
             after = (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir)), host.node_netns(s.data_dir))
@@ -193,5 +195,31 @@ def test_concurrent_creates_do_not_pass_the_sandbox_limit(tmp_path: Path) -> Non
                 answers = list(ex.map(create, range(4)))
             assert sorted(r.status_code for r in answers) == [201, 201, 429, 429], [r.text for r in answers]
             assert len(all_sandboxes(api)) == 2
+    finally:
+        s.kill_all()
+
+
+def test_qemu_dying_during_a_snapshot_is_noticed(tmp_path: Path) -> None:
+    """The exit watcher acts on running sandboxes; a QEMU that dies while the sandbox is being
+    snapshotted (injected fault: right after the capture) is noticed once the snapshot ends.
+    The snapshot itself is complete and starts new sandboxes."""
+    s = ServerProcess(tmp_path / "data", node_cidr(40), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
+                      AENV_FAULTS="qemu_dies_after_capture")
+    s.start()
+    try:
+        with s.client() as api:
+            sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+            run(api, sid, "echo kept > /home/user/f.txt")
+            r = api.post(f"/sandboxes/{sid}/snapshots", json={})
+            assert r.status_code == 201, r.text
+            deadline = time.monotonic() + 10
+            while api.get(f"/sandboxes/{sid}").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            info = api.get(f"/sandboxes/{sid}").json()
+            assert info["state"] == "error" and "QEMU exited" in info["error"], info
+            child = api.post("/sandboxes", json={"templateID": r.json()["snapshotID"]})
+            assert child.status_code == 201, child.text
+            assert run(api, child.json()["sandboxID"], "cat /home/user/f.txt")["stdout"] == "kept\n"
+            assert api.delete(f"/sandboxes/{sid}").status_code == 204
     finally:
         s.kill_all()

@@ -258,10 +258,13 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
     moved on). Injected fault ``hang_after_wake``: the VM is stopped again right after ``cont``,
     so the guest never answers the clock update. The resume then answers 502 within the
     restore timeout and the sandbox is ``running`` (it can be killed, or retried); if its QEMU
-    dies meanwhile, the resume answers 500 and the sandbox is ``error``. Either way a kill
-    leaves no QEMU, run dir or namespace."""
+    dies meanwhile, the resume answers 500 and the sandbox is ``error``. A resume after the
+    linger, into a new QEMU on the sandbox's own disk, whose guest does not answer (fault
+    ``hang_after_resume``) also stays ``running`` with a 502. Each time a kill leaves no QEMU,
+    run dir or namespace."""
     s = ServerProcess(tmp_path / "data", node_cidr(37), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
-                      AENV_PAUSE_LINGER_S="60", AENV_FAULTS="hang_after_wake", AENV_RESTORE_TIMEOUT="3")
+                      AENV_PAUSE_LINGER_S="3", AENV_FAULTS="hang_after_wake,hang_after_resume",
+                      AENV_RESTORE_TIMEOUT="3")
     s.start()
 
     def gone(sid: str, ns: str) -> None:
@@ -311,6 +314,19 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
             assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
             gone(b.sid, ns)
             assert api.get(f"/sandboxes/{b.sid}").status_code == 404
+
+            # The same after the linger, on a new QEMU restored on the sandbox's own disk
+            # (injected fault hang_after_resume): the guest ran, so it stays running.
+            b = Busy(api)
+            b.pause()
+            assert host.qemu_gone(b.sid, timeout=10), "freed after its linger"
+            r = api.post(f"/sandboxes/{b.sid}/resume", json={"timeout": 600})
+            assert r.status_code == 502 and "runs again" in r.json()["message"], r.text
+            assert api.get(f"/sandboxes/{b.sid}").json()["state"] == "running"
+            (pid,) = host.qemu_pids(b.sid)
+            ns = host.netns_of(pid)
+            assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
+            gone(b.sid, ns)
     finally:
         s.kill_all()
 

@@ -73,6 +73,11 @@ def install(app: FastAPI) -> None:
         if status >= 500:
             log.error("%s: %s", type(exc).__name__, exc.message)
         headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, e.CapacityExhausted) else None
+        if isinstance(exc, e.PlatformError):
+            # The E2B SDKs (2.x) resend a request that got 502/503/504 unless told not to: a
+            # create whose guest did not answer would start up to three more VMs, each waiting
+            # out the restore timeout. E2B answers its internal errors with 500, not retried.
+            headers = {"Should-Retry": "false"}
         return error_response(status, exc.message, headers)
 
     @app.exception_handler(EnvdError)

@@ -258,7 +258,9 @@ class Checkpointer:
                 device_state_only=not boot, netns=slot.netns, tb_size_mb=self.tb_size_mb, tcg_cpu=base.tcg_cpu,
                 guest_aslr=self.guest_aslr, **guest_link_spec(),
             )
-            _write_spec(spec)
+            # Off the event loop: on a resume it replaces the run dir's machine.json, and ext4
+            # may then flush behind pending write-back (see the seal above).
+            await asyncio.to_thread(_write_spec, spec)
             t1 = time.perf_counter()
             machine = await Machine.launch(spec)
             undo.add("machine", machine.kill)

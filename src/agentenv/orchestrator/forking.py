@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,15 +63,18 @@ class Started:
     slot: Slot
     envd: EnvdClient
     disk: str
+    silent: GuestError | None = None  # (keep_if_silent) the guest ran, and did not answer
 
 
 async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_id: str, access_token: str,
                                 template: str, env_vars: dict[str, str], run_dir: Path,
                                 disk_top: Path | None = None, options: dict[str, Any] | None = None,
-                                mem_file: Path | None = None) -> Started:
+                                mem_file: Path | None = None, keep_if_silent: bool = False) -> Started:
     """Slot (with the sandbox's egress rules) + QEMU restored to ``cp`` + the guest's identity
     (id, token, fresh entropy, the clock). Undoes everything it made on failure; never
-    touches the checkpoint."""
+    touches the checkpoint. ``keep_if_silent`` (a resume on the sandbox's own disk): a guest
+    that ran but did not answer is kept, with the error in ``Started.silent``; its disk may
+    have moved on, so going back to the saved state would no longer be exact."""
     undo = Cleanup(f"start {sandbox_id}")
     t0 = time.perf_counter()
     try:
@@ -84,6 +89,8 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
                                                        verified=mem_file is not None)
         undo.add("machine", machine.kill)
         await orch.checkpoints.crash_point("start_after_restore")
+        if keep_if_silent and "hang_after_resume" in orch.settings.faults:
+            await machine.qmp("stop")  # injected fault (tests): a restored guest that does not answer
         envd = EnvdClient.for_guest(slot.guest_url, cp.access_token)
         undo.add("envd", envd.aclose)
         t2 = time.perf_counter()
@@ -102,6 +109,11 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
         except (EnvdError, asyncio.TimeoutError) as exc:
             why = exc.message if isinstance(exc, EnvdError) else "no answer"
             after = "its boot" if cp.filesystem_only else "restore"
+            if keep_if_silent and machine.alive():
+                undo.release()
+                return Started(machine, slot, envd, disk, silent=GuestError(
+                    f"sandbox {sandbox_id} runs again, but its guest agent did not answer within {timeout:.0f}s "
+                    f"after {after} ({why}); retry, or kill it"))
             raise GuestError(f"sandbox {sandbox_id}: the guest agent did not answer within {timeout:.0f}s "
                              f"after {after} ({why})") from exc
         undo.release()
@@ -195,8 +207,12 @@ async def _checkpoint(orch: Orchestrator, live: LiveSandbox, state: State, kind:
             else:
                 await orch._transition(live, State.RUNNING)
             raise
+        if "qemu_dies_after_capture" in orch.settings.faults:  # injected fault (tests)
+            os.kill(machine.pid, signal.SIGKILL)  # as the OOM killer would, right after the capture
+            await machine.wait_exit()
         live.record = live.record.with_(disk_path=str(machine.spec.disk), state=State.RUNNING)
         await orch.store.put(live.record)
+        orch.notice_exit(live)
         return cp
 
 

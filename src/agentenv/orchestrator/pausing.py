@@ -9,8 +9,9 @@ VM and returns the sandbox to ``running`` with the error.
 
 Resume: ``paused → resuming`` → on its parked VM if it still has one (continued, the guest
 told the clock); otherwise new slot and QEMU, layers written, device state loaded, the guest
-told the clock and given fresh entropy → ``running``. A failed resume leaves it ``paused``
-(nothing lost: the checkpoint is untouched).
+told the clock and given fresh entropy → ``running``. A resume that fails before its guest
+ran leaves it ``paused`` (nothing lost: the checkpoint is untouched); one whose guest ran and
+then did not answer leaves it ``running`` with a 502 (its disk may have moved on).
 
 Filesystem-only pause (E2B's ``memory: false``): the guest agent first flushes the guest's
 filesystems to the disk, then the VM is stopped and only the disk is kept (no memory layer, no
@@ -122,10 +123,11 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
         await orch._transition(live, State.RESUMING)
         rec = live.record
         try:
+            # On its own disk, a guest that ran is kept even if it does not answer (see below).
             started = await start_from_checkpoint(
                 orch, cp, sandbox_id=rec.id, access_token=rec.access_token, template=rec.template,
                 env_vars={}, run_dir=Path(rec.run_dir), disk_top=Path(cp.disk_top) if cp.disk_top else None,
-                options=rec.options)
+                options=rec.options, keep_if_silent=cp.disk_top is not None)
         except BaseException:
             await orch._transition(live, State.PAUSED)
             raise
@@ -137,6 +139,10 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
         # The record pins the layers now; the pause manifest is no longer needed.
         orch.repo.delete(cp.id)
         orch.schedule_gc()
+        if started.silent is not None:
+            # The guest ran on the sandbox's disk: back to the saved state, memory and disk
+            # would no longer match. It stays running, as a resume on a parked VM does.
+            raise started.silent
         return live.record
 
 

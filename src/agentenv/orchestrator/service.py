@@ -241,6 +241,10 @@ class Orchestrator:
         options = dict(options or {})
         if "network" in options:
             options["network"] = self.egress_policy(options["network"])
+        if ":" in template and not self.repo.exists(template):
+            from agentenv.orchestrator.builds import tags
+
+            template = tags.resolve(template, self.builds, self.catalog)  # name:tag → name
         if not self.catalog.exists(template) and self.repo.exists(template):
             from agentenv.orchestrator.forking import create_from_snapshot
 
@@ -326,7 +330,15 @@ class Orchestrator:
             # RCU grace periods (20-130 ms measured), not for anything the caller needs.
             # Its index stays taken until then; a crash before is cleaned by recovery.
             slot, live.slot = live.slot, None
-            await self._release(live)
+            try:
+                await self._release(live)
+            except BaseException as exc:
+                # (QEMU did not go after SIGKILL, e.g. stuck in the kernel.) The sandbox stays
+                # listed, as error, with its slot: a later kill tries again, and frees the slot.
+                live.slot = slot
+                live.record = live.record.with_(state=State.ERROR, error=f"kill failed: {exc}")
+                await self.store.put(live.record)
+                raise
             if slot is not None:
                 self._in_background(self.slots.release(slot), f"removing the namespace of {sandbox_id}")
             self._live.pop(sandbox_id, None)
@@ -389,6 +401,14 @@ class Orchestrator:
         live.record = live.record.with_(state=dst)
         await self.store.put(live.record)
         log.info("sandbox %s: %s -> %s", live.id, src.value, dst.value)
+        if dst == State.RUNNING:
+            self.notice_exit(live)
+
+    def notice_exit(self, live: LiveSandbox) -> None:
+        """Call when an operation has set ``live`` running again: its QEMU may have died during
+        the operation, when the exit watcher (which acts on running sandboxes) let it be."""
+        if live.record.state == State.RUNNING and live.machine is not None and live.machine.exited:
+            self._in_background(self._on_machine_exit(live), f"failing {live.id}")
 
     def _require(self, sandbox_id: str, states: Collection[State]) -> LiveSandbox:
         live = self._live.get(sandbox_id)
@@ -503,11 +523,22 @@ class Orchestrator:
 
         return await pause(self, sandbox_id, memory=memory, require_healthy=require_healthy)
 
-    async def resume(self, sandbox_id: str, timeout_s: int | None = None, *, memory: bool = True) -> SandboxRecord:
-        """``memory=False``: boot its disk instead of restoring its memory."""
+    async def resume(self, sandbox_id: str, timeout_s: int | None = None, *, memory: bool = True,
+                     auto_pause: bool | None = None) -> SandboxRecord:
+        """``memory=False``: boot its disk instead of restoring its memory. ``auto_pause``
+        (E2B's deprecated resume route): pause instead of kill at its next timeout, or not."""
         from agentenv.orchestrator.pausing import resume
 
-        return await resume(self, sandbox_id, timeout_s, memory)
+        rec = await resume(self, sandbox_id, timeout_s, memory)
+        if auto_pause is None or auto_pause == rec.auto_pause:
+            return rec
+        live = self._require(sandbox_id, GUEST_UP)
+        options = {**live.record.options, "autoPause": auto_pause}
+        if not auto_pause:
+            options.pop("autoPauseMemory", None)  # (it qualifies an auto-pause)
+        live.record = live.record.with_(auto_pause=auto_pause, options=options)
+        await self.store.put(live.record)
+        return live.record
 
     async def connect(self, sandbox_id: str, timeout_s: int | None = None, *,
                       memory: bool = True) -> tuple[SandboxRecord, bool]:
@@ -570,10 +601,11 @@ class Orchestrator:
         mapped = {str(m.spec.mem_path) for live in self._live.values()
                   for m in (live.machine, live.parked.machine if live.parked else None) if m is not None}
         waking = any(live.record.state == State.RESUMING for live in self._live.values())
-        for f in self.settings.mem_dir.glob("fork-*.mem"):
-            if str(f) not in mapped and not self._forking and not waking:
-                f.unlink(missing_ok=True)  # a fork's memory file no child maps any more
-                removed.append(f.name)
+        unused = [f for f in self.settings.mem_dir.glob("fork-*.mem")
+                  if str(f) not in mapped and not self._forking and not waking]
+        for f in unused:  # a fork's memory file no child maps any more (GiBs of tmpfs: freed off the loop)
+            await asyncio.to_thread(f.unlink, True)
+            removed.append(f.name)
         return removed
 
     def schedule_gc(self) -> None:

@@ -133,6 +133,8 @@ class SnapshotRepository:
         for d in (self.layers, self.manifests, self.staging):
             d.mkdir(parents=True, exist_ok=True)
         self.lock = asyncio.Lock()
+        self._names: dict[str, Checkpoint] = {}  # launchable checkpoints by name (see _named)
+        self._names_stamp = -1
 
     # -- layers ---------------------------------------------------------------------------
 
@@ -201,6 +203,7 @@ class SnapshotRepository:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, self.manifests / f"{cp.id}.json")
+        self._names_stamp = -1
         if durable:
             fsync_path(self.manifests)
 
@@ -228,10 +231,24 @@ class SnapshotRepository:
                 return Checkpoint.from_json(json.loads(p.read_text()))
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 raise SnapshotUnusable(f"snapshot {id_or_name}: unreadable manifest ({exc})") from exc
-        for cp in self.list():
-            if cp.name == id_or_name and cp.kind in LAUNCHABLE:
-                return cp
-        raise SnapshotNotFound(id_or_name)
+        cp = self._named().get(id_or_name)
+        if cp is None:
+            raise SnapshotNotFound(id_or_name)
+        return cp
+
+    def _named(self) -> dict[str, Checkpoint]:
+        """Launchable checkpoints by name, the newest for each. A create by name asks this
+        (on the event loop), and a node may keep thousands of manifests: they are read again
+        again after this repository's own puts and deletes, and when the directory's mtime
+        moved (another process's change: a node sharing the repository)."""
+        stamp = self.manifests.stat().st_mtime_ns  # taken first: a change while reading shows next time
+        if stamp != self._names_stamp:
+            names: dict[str, Checkpoint] = {}
+            for cp in self.list():  # newest first
+                if cp.name and cp.kind in LAUNCHABLE:
+                    names.setdefault(cp.name, cp)
+            self._names, self._names_stamp = names, stamp
+        return self._names
 
     def exists(self, id_or_name: str) -> bool:
         try:
@@ -254,6 +271,7 @@ class SnapshotRepository:
 
     def delete(self, cp_id: str) -> None:
         (self.manifests / f"{cp_id}.json").unlink(missing_ok=True)
+        self._names_stamp = -1
 
     # -- garbage collection ---------------------------------------------------------------
 

@@ -72,8 +72,8 @@ async def pause(sandbox_id: str, request: Request) -> Response:
              response_model_exclude_none=True)
 async def resume(sandbox_id: str, request: Request) -> Sandbox:
     body = await optional_body(request, ResumeRequest)
-    rec = await orch_of(request).resume(sandbox_id, body.timeout,
-                                        memory=body.memory is not False)
+    rec = await orch_of(request).resume(sandbox_id, body.timeout, memory=body.memory is not False,
+                                        auto_pause=body.autoPause)
     return Sandbox.of(rec, orch_of(request).settings.domain)
 
 

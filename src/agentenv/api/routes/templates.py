@@ -16,7 +16,7 @@ from agentenv.api.models import TemplateInfo, rfc3339
 from agentenv.api.routes import optional_body, orch_of
 from agentenv.errors import InvalidRequest, NotFound, RequestError
 from agentenv.orchestrator import Orchestrator
-from agentenv.orchestrator.builds import BuildRecord, LogEntry, TemplateEntry
+from agentenv.orchestrator.builds import BuildRecord, LogEntry, TemplateEntry, tags
 
 router = APIRouter()
 # The upload of COPY files: the SDK PUTs to the url it was given, without the API key (as to
@@ -86,6 +86,21 @@ class TemplateTag(BaseModel):
     createdAt: str
 
 
+class AssignTagsRequest(BaseModel):
+    target: str = Field(description="name:tag of the build to tag (name alone: its default tag)")
+    tags: list[str]
+
+
+class AssignedTags(BaseModel):
+    tags: list[str]
+    buildID: str
+
+
+class DeleteTagsRequest(BaseModel):
+    name: str
+    tags: list[str]
+
+
 # -- template info --------------------------------------------------------------------------
 
 def _catalog_info(orch: Orchestrator, name: str) -> TemplateInfo:
@@ -128,6 +143,21 @@ async def list_templates(request: Request) -> list[TemplateInfo]:
     out += [_built_info(t) for t in orch.builds.templates()]
     out += [_pending_info(orch, b) for b in orch.builds.pending()]
     return out
+
+
+# (before the /templates/{template_id} routes, which would take "tags" for a template id)
+@router.post("/templates/tags", status_code=201, response_model=AssignedTags)
+async def assign_tags(body: AssignTagsRequest, request: Request) -> AssignedTags:
+    """``Template.assign_tags(target, tags)``: the build ``target`` names gets ``tags`` too."""
+    t = tags.assign(orch_of(request).builds, body.target, body.tags)
+    return AssignedTags(tags=sorted(body.tags), buildID=t.build_id)
+
+
+@router.delete("/templates/tags", status_code=204, response_class=Response)
+async def remove_tags(body: DeleteTagsRequest, request: Request) -> Response:
+    """``Template.remove_tags(name, tags)``."""
+    tags.remove(orch_of(request).builds, body.name, body.tags)
+    return Response(status_code=204)
 
 
 @router.get("/templates/aliases/{alias}")

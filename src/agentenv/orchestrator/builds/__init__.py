@@ -1,6 +1,7 @@
 """Template builds from steps (E2B's build system v2): see runner.py and
 docs/mechanisms/template-builds.md."""
 
+from agentenv.orchestrator.builds import tags
 from agentenv.orchestrator.builds.records import BuildRecord, LogEntry, TemplateEntry
 from agentenv.orchestrator.builds.runner import BUILD_META, TEMPLATE_KIND, Builds
 from agentenv.orchestrator.builds.spec import (
@@ -12,4 +13,4 @@ from agentenv.orchestrator.builds.spec import (
 )
 
 __all__ = ["BUILD_META", "TEMPLATE_KIND", "BuildRecord", "BuildSpec", "Builds", "Config", "LogEntry", "Step",
-           "TemplateEntry", "parse_spec", "split_name"]
+           "TemplateEntry", "parse_spec", "split_name", "tags"]

@@ -198,6 +198,11 @@ class Builds(GuestSteps):
     def exists(self, template_id: str) -> bool:
         return template_id in self._templates
 
+    def put_template(self, t: TemplateEntry) -> None:
+        """Record a changed entry of a built template (its tags: builds/tags.py)."""
+        self.files.put_template(t)
+        self._templates[t.template_id] = t
+
     def pending(self) -> list[BuildRecord]:
         """First builds of templates that do not exist yet (listed as building / error)."""
         latest: dict[str, BuildRecord] = {}
