@@ -327,6 +327,29 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
             ns = host.netns_of(pid)
             assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
             gone(b.sid, ns)
+
+            # ... and if that new QEMU dies while the resume waits for the guest: error, as a wake.
+            b = Busy(api)
+            b.pause()
+            assert host.qemu_gone(b.sid, timeout=10)
+            with ThreadPoolExecutor(1) as ex:
+                pending = ex.submit(resume)
+                deadline = time.monotonic() + 10  # restored (logged), then waiting for the stopped guest
+                while f"restore {b.sid}:" not in s.log.read_text() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert not pending.done()
+                (pid,) = host.qemu_pids(b.sid)
+                ns = host.netns_of(pid)
+                os.kill(pid, signal.SIGKILL)
+                r = pending.result()
+            assert r.status_code == 500 and "QEMU exited" in r.json()["message"], r.text
+            deadline = time.monotonic() + 10
+            while api.get(f"/sandboxes/{b.sid}").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            info = api.get(f"/sandboxes/{b.sid}").json()
+            assert info["state"] == "error" and "QEMU exited" in info["error"], info
+            assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
+            gone(b.sid, ns)
     finally:
         s.kill_all()
 

@@ -83,7 +83,7 @@ FORK_COLUMNS = [
 def fork(
     ctx: typer.Context,
     sandbox_id: SandboxId,
-    count: Annotated[int, typer.Option("--count", "-n", min=1, max=16,
+    count: Annotated[int, typer.Option("--count", "-n", min=1, max=20,
                                        help="How many copies to start (1-20).")] = 1,
     timeout: Annotated[int | None, typer.Option("--timeout", help="Seconds until each copy is killed "
                                                 "(default: the parent's).", show_default=False)] = None,

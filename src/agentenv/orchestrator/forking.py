@@ -28,7 +28,9 @@ from agentenv.errors import (
     GuestError,
     GuestUnresponsive,
     InvalidRequest,
+    PlatformError,
     SandboxStateError,
+    VmmError,
 )
 from agentenv.network import Slot, set_egress
 from agentenv.orchestrator.cleanup import Cleanup
@@ -63,7 +65,7 @@ class Started:
     slot: Slot
     envd: EnvdClient
     disk: str
-    silent: GuestError | None = None  # (keep_if_silent) the guest ran, and did not answer
+    silent: PlatformError | None = None  # (keep_if_silent) the guest ran, and did not answer
 
 
 async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_id: str, access_token: str,
@@ -73,8 +75,9 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
     """Slot (with the sandbox's egress rules) + QEMU restored to ``cp`` + the guest's identity
     (id, token, fresh entropy, the clock). Undoes everything it made on failure; never
     touches the checkpoint. ``keep_if_silent`` (a resume on the sandbox's own disk): a guest
-    that ran but did not answer is kept, with the error in ``Started.silent``; its disk may
-    have moved on, so going back to the saved state would no longer be exact."""
+    that ran but did not answer is kept, with the error in ``Started.silent`` (a VmmError if
+    its QEMU died meanwhile); its disk may have moved on, so going back to the saved state
+    would no longer be exact."""
     undo = Cleanup(f"start {sandbox_id}")
     t0 = time.perf_counter()
     try:
@@ -109,11 +112,14 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
         except (EnvdError, asyncio.TimeoutError) as exc:
             why = exc.message if isinstance(exc, EnvdError) else "no answer"
             after = "its boot" if cp.filesystem_only else "restore"
-            if keep_if_silent and machine.alive():
+            if keep_if_silent:  # the guest ran: its disk may have moved on since the saved state
                 undo.release()
-                return Started(machine, slot, envd, disk, silent=GuestError(
+                silent: PlatformError = GuestError(
                     f"sandbox {sandbox_id} runs again, but its guest agent did not answer within {timeout:.0f}s "
-                    f"after {after} ({why}); retry, or kill it"))
+                    f"after {after} ({why}); retry, or kill it")
+                if not machine.alive():  # the caller's exit watcher makes the sandbox error
+                    silent = VmmError(f"sandbox {sandbox_id}: its QEMU exited while it was resumed")
+                return Started(machine, slot, envd, disk, silent=silent)
             raise GuestError(f"sandbox {sandbox_id}: the guest agent did not answer within {timeout:.0f}s "
                              f"after {after} ({why})") from exc
         undo.release()

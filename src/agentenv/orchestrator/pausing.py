@@ -46,12 +46,16 @@ log = logging.getLogger(__name__)
 
 
 async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
-                require_healthy: bool = False) -> SandboxRecord:
+                require_healthy: bool = False, due: bool = False) -> SandboxRecord:
     """``memory=False``: filesystem-only. ``require_healthy``: refuse (503, the sandbox keeps
-    running) when the guest agent does not answer, instead of saving a guest that may be hung."""
+    running) when the guest agent does not answer, instead of saving a guest that may be hung.
+    ``due``: the reaper's auto-pause, done only if the sandbox still runs past its end time
+    once the lock is free (the user may have paused it, or given it more time, meanwhile)."""
     live = orch._require(sandbox_id, {State.RUNNING, State.PAUSING, State.PAUSED, State.SNAPSHOTTING,
                                       State.FORKING})
     async with live.lock:
+        if due and (live.record.state != State.RUNNING or live.record.end_at > time.time()):
+            return live.record
         if live.record.state == State.PAUSED:
             raise SandboxStateError(sandbox_id, "paused", "running")
         if live.record.state != State.RUNNING or live.machine is None or live.envd is None:

@@ -118,6 +118,8 @@ class WarmPool:
 
     async def _fill(self, key: Path, snap: TemplateSnapshot) -> bool:
         """Refill one snapshot's shells; False (after a pause) when the host is short of memory."""
+        if key not in self._hot:  # forgotten during this pass of the keeper
+            return True
         shells = self._shells.setdefault(key, [])
         while len(shells) < self.size and snap.mem_file.exists():
             if not self._may_grow():

@@ -18,6 +18,7 @@ from agentenv.config import Settings
 from agentenv.envd_client import CommandResult, EnvdClient, ProcessEvent
 from agentenv.errors import (
     CapacityExhausted,
+    GuestError,
     GuestUnresponsive,
     InvalidRequest,
     PlatformError,
@@ -223,14 +224,14 @@ class Orchestrator:
         may be deleted while they start)."""
         await self.admit(more)
         self._admitting += more
-        if starting is not None:
-            self._starting.append(starting)
+        if starting is not None:  # (rebound, not changed in place: gc reads it from a thread)
+            self._starting = [*self._starting, starting]
         try:
             yield
         finally:
             self._admitting -= more
             if starting is not None:
-                self._starting.remove(starting)
+                self._starting = [cp for cp in self._starting if cp is not starting]
 
     async def create(self, template: str, *, vcpus: int | None = None, memory_mb: int | None = None,
                      timeout_s: int | None = None, metadata: dict[str, str] | None = None,
@@ -444,11 +445,11 @@ class Orchestrator:
         cannot flush its filesystems for that, its memory is saved instead: nothing is lost."""
         if live.record.options.get("autoPauseMemory") is False:
             try:
-                await self.pause(live.id, memory=False)
+                await self.pause(live.id, memory=False, due=True)
                 return
             except GuestUnresponsive as exc:
                 log.warning("%s; saving its memory instead", exc.message)
-        await self.pause(live.id)
+        await self.pause(live.id, due=True)
 
     async def _prepare_templates(self) -> None:
         """Snapshot every template in its default shape and fill its pool, in the background,
@@ -517,11 +518,13 @@ class Orchestrator:
         """One conversion at a time per output file (two pulls of one image wait for each other)."""
         return self._image_locks.setdefault(key, asyncio.Lock())
 
-    async def pause(self, sandbox_id: str, *, memory: bool = True, require_healthy: bool = False) -> SandboxRecord:
-        """``memory=False``: filesystem-only (resumed by a cold boot of its disk)."""
+    async def pause(self, sandbox_id: str, *, memory: bool = True, require_healthy: bool = False,
+                    due: bool = False) -> SandboxRecord:
+        """``memory=False``: filesystem-only (resumed by a cold boot of its disk). ``due``: the
+        reaper's (see ``pausing.pause``)."""
         from agentenv.orchestrator.pausing import pause
 
-        return await pause(self, sandbox_id, memory=memory, require_healthy=require_healthy)
+        return await pause(self, sandbox_id, memory=memory, require_healthy=require_healthy, due=due)
 
     async def resume(self, sandbox_id: str, timeout_s: int | None = None, *, memory: bool = True,
                      auto_pause: bool | None = None) -> SandboxRecord:
@@ -529,10 +532,19 @@ class Orchestrator:
         (E2B's deprecated resume route): pause instead of kill at its next timeout, or not."""
         from agentenv.orchestrator.pausing import resume
 
-        rec = await resume(self, sandbox_id, timeout_s, memory)
-        if auto_pause is None or auto_pause == rec.auto_pause:
-            return rec
+        try:
+            rec = await resume(self, sandbox_id, timeout_s, memory)
+        except GuestError:  # it may run all the same (its guest did not answer in time)
+            live = self._live.get(sandbox_id)
+            if auto_pause is not None and live is not None and live.record.state in GUEST_UP:
+                await self._set_auto_pause(sandbox_id, auto_pause)
+            raise
+        return rec if auto_pause is None else await self._set_auto_pause(sandbox_id, auto_pause)
+
+    async def _set_auto_pause(self, sandbox_id: str, auto_pause: bool) -> SandboxRecord:
         live = self._require(sandbox_id, GUEST_UP)
+        if live.record.auto_pause == auto_pause:
+            return live.record
         options = {**live.record.options, "autoPause": auto_pause}
         if not auto_pause:
             options.pop("autoPauseMemory", None)  # (it qualifies an auto-pause)

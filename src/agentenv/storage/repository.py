@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import filecmp
+import itertools
 import json
 import logging
 import os
@@ -134,7 +135,9 @@ class SnapshotRepository:
             d.mkdir(parents=True, exist_ok=True)
         self.lock = asyncio.Lock()
         self._names: dict[str, Checkpoint] = {}  # launchable checkpoints by name (see _named)
-        self._names_stamp = -1
+        self._names_key: tuple[int, int] = (-1, -1)
+        self._write_ids = itertools.count(1)  # (next() on it is atomic: puts run in threads)
+        self._writes = 0  # the id of the last put or delete by this object
 
     # -- layers ---------------------------------------------------------------------------
 
@@ -203,7 +206,7 @@ class SnapshotRepository:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, self.manifests / f"{cp.id}.json")
-        self._names_stamp = -1
+        self._writes = next(self._write_ids)
         if durable:
             fsync_path(self.manifests)
 
@@ -241,13 +244,14 @@ class SnapshotRepository:
         (on the event loop), and a node may keep thousands of manifests: they are read again
         again after this repository's own puts and deletes, and when the directory's mtime
         moved (another process's change: a node sharing the repository)."""
-        stamp = self.manifests.stat().st_mtime_ns  # taken first: a change while reading shows next time
-        if stamp != self._names_stamp:
+        # Taken first: a change while the manifests are read shows at the next lookup.
+        key = (self._writes, self.manifests.stat().st_mtime_ns)
+        if key != self._names_key:
             names: dict[str, Checkpoint] = {}
             for cp in self.list():  # newest first
                 if cp.name and cp.kind in LAUNCHABLE:
                     names.setdefault(cp.name, cp)
-            self._names, self._names_stamp = names, stamp
+            self._names, self._names_key = names, key
         return self._names
 
     def exists(self, id_or_name: str) -> bool:
@@ -271,7 +275,7 @@ class SnapshotRepository:
 
     def delete(self, cp_id: str) -> None:
         (self.manifests / f"{cp_id}.json").unlink(missing_ok=True)
-        self._names_stamp = -1
+        self._writes = next(self._write_ids)
 
     # -- garbage collection ---------------------------------------------------------------
 

@@ -137,7 +137,9 @@ class Machine:
         only once the event loop has handled the exit."""
         if self.exited or self._pidfd is None:
             return not self.exited
-        return not select.select([self._pidfd], [], [], 0)[0]
+        poller = select.poll()  # (not select.select: descriptors past 1024 are common on a busy node)
+        poller.register(self._pidfd, select.POLLIN)
+        return not poller.poll(0)
 
     async def wait_exit(self) -> None:
         await asyncio.shield(self._exit)

@@ -415,9 +415,9 @@ class Builds(GuestSteps):
         else:
             from agentenv.orchestrator.forking import _new_sandbox
 
-            await orch.admit()
-            rec = await _new_sandbox(orch, cp, template=b.template_id, env_vars={}, metadata=meta,
-                                     timeout_s=timeout, options={})
+            async with orch.admitted(starting=cp):
+                rec = await _new_sandbox(orch, cp, template=b.template_id, env_vars={}, metadata=meta,
+                                         timeout_s=timeout, options={})
         log.info("build %s runs in sandbox %s", b.build_id, rec.id)
         return rec.id
 
