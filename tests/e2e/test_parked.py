@@ -259,9 +259,9 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
     so the guest never answers the clock update. The resume then answers 502 within the
     restore timeout and the sandbox is ``running`` (it can be killed, or retried); if its QEMU
     dies meanwhile, the resume answers 500 and the sandbox is ``error``. A resume after the
-    linger, into a new QEMU on the sandbox's own disk, whose guest does not answer (fault
-    ``hang_after_resume``) also stays ``running`` with a 502. Each time a kill leaves no QEMU,
-    run dir or namespace."""
+    linger, into a new QEMU on the sandbox's own disk, whose guest does not answer in time
+    (fault ``hang_after_resume``: it goes on 2 s later) also stays ``running`` with a 502, and
+    gets its clock once it answers. Each time a kill leaves no QEMU, run dir or namespace."""
     s = ServerProcess(tmp_path / "data", node_cidr(37), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
                       AENV_PAUSE_LINGER_S="3", AENV_FAULTS="hang_after_wake,hang_after_resume",
                       AENV_RESTORE_TIMEOUT="3")
@@ -323,6 +323,12 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
             r = api.post(f"/sandboxes/{b.sid}/resume", json={"timeout": 600})
             assert r.status_code == 502 and "runs again" in r.json()["message"], r.text
             assert api.get(f"/sandboxes/{b.sid}").json()["state"] == "running"
+            # The fault lets the guest go on 2 s after the restore timeout: it was only slow, and
+            # the server gives it the clock once it answers (it stood still while paused).
+            deadline = time.monotonic() + 30
+            while f"sandbox {b.sid}: its guest answered" not in s.log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            b.assert_intact()
             (pid,) = host.qemu_pids(b.sid)
             ns = host.netns_of(pid)
             assert api.delete(f"/sandboxes/{b.sid}").status_code == 204

@@ -93,7 +93,10 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
         undo.add("machine", machine.kill)
         await orch.checkpoints.crash_point("start_after_restore")
         if keep_if_silent and "hang_after_resume" in orch.settings.faults:
-            await machine.qmp("stop")  # injected fault (tests): a restored guest that does not answer
+            # Injected fault (tests): a guest that answers only after the restore timeout.
+            await machine.qmp("stop")
+            asyncio.get_running_loop().call_later(orch.settings.restore_timeout_s + 2,
+                                                  lambda: asyncio.ensure_future(_cont_quietly(machine)))
         envd = EnvdClient.for_guest(slot.guest_url, cp.access_token)
         undo.add("envd", envd.aclose)
         t2 = time.perf_counter()
@@ -129,6 +132,13 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
     except BaseException:
         await undo.unwind()
         raise
+
+
+async def _cont_quietly(machine: Machine) -> None:
+    try:
+        await machine.qmp("cont")
+    except Exception:  # noqa: BLE001 — the VM may be gone by then
+        pass
 
 
 async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env_vars: dict[str, str],

@@ -164,6 +164,7 @@ async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: i
         await orch._fail(live, "QEMU exited while the sandbox was resumed")
         raise VmmError(f"sandbox {rec.id}: its QEMU exited while it was resumed")
     if failure is not None:
+        orch.init_later(live)
         why = failure.message if isinstance(failure, EnvdError) else "no answer"
         raise GuestError(f"sandbox {rec.id} runs again, but its guest agent did not answer within "
                          f"{orch.settings.restore_timeout_s:.0f}s after the resume ({why}); retry, or kill it")

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv.errors import GuestUnresponsive, SandboxStateError
+from agentenv.errors import GuestError, GuestUnresponsive, SandboxStateError
 from agentenv.orchestrator import parking
 from agentenv.orchestrator.forking import (
     GUEST_BOUND_S,
@@ -146,6 +146,8 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
         if started.silent is not None:
             # The guest ran on the sandbox's disk: back to the saved state, memory and disk
             # would no longer match. It stays running, as a resume on a parked VM does.
+            if isinstance(started.silent, GuestError):
+                orch.init_later(live)
             raise started.silent
         return live.record
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.config import Settings
-from agentenv.envd_client import CommandResult, EnvdClient, ProcessEvent
+from agentenv.envd_client import CommandResult, EnvdClient, EnvdError, ProcessEvent
 from agentenv.errors import (
     CapacityExhausted,
     GuestError,
@@ -48,6 +48,9 @@ from agentenv.storage import (
 from agentenv.vmm import AccelInfo, detect_accel, ksm
 
 log = logging.getLogger(__name__)
+
+
+INIT_RETRY_S = 5.0  # init_later: between tries, and the bound of each
 
 
 class Orchestrator:
@@ -115,9 +118,10 @@ class Orchestrator:
         first when configured to (AENV_PAUSE_ON_STOP)."""
         if self.settings.pause_on_stop:
             await self.pause_all()
-        for t in self._tasks:
+        tasks = list(self._tasks)  # (init_later tasks leave the list as they end)
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             try:
                 await t
             except asyncio.CancelledError:
@@ -404,6 +408,31 @@ class Orchestrator:
         log.info("sandbox %s: %s -> %s", live.id, src.value, dst.value)
         if dst == State.RUNNING:
             self.notice_exit(live)
+
+    def init_later(self, live: LiveSandbox) -> None:
+        """A guest that did not answer its resume in time may only be slow (a loaded host): give
+        it the clock and its identity once it answers, trying every few seconds for a minute.
+        Cancelled when the server stops, or when the sandbox stops running on this agent."""
+        envd = live.envd
+
+        async def attempts() -> None:
+            for _ in range(12):
+                await asyncio.sleep(INIT_RETRY_S)
+                if envd is None or live.envd is not envd or live.record.state not in GUEST_UP:
+                    return
+                try:
+                    await asyncio.wait_for(envd.init(sandbox_id=live.id, template_id=live.record.template,
+                                                     env_vars={}, access_token=live.record.access_token),
+                                           INIT_RETRY_S)
+                except (EnvdError, asyncio.TimeoutError, OSError):
+                    continue
+                log.info("sandbox %s: its guest answered after the resume; it has the clock now", live.id)
+                return
+            log.warning("sandbox %s: its guest still does not answer a minute after its resume", live.id)
+
+        task = asyncio.get_running_loop().create_task(attempts(), name=f"init-later-{live.id}")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     def notice_exit(self, live: LiveSandbox) -> None:
         """Call when an operation has set ``live`` running again: its QEMU may have died during
