@@ -11,6 +11,7 @@ an allow rule names it.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -143,3 +144,52 @@ def test_egress_lists_take_addresses_not_domain_names(sdk: SDK, api: httpx.Clien
         api.delete(f"/sandboxes/{sid}")
     r = api.put(f"/sandboxes/{sid}/network", json={"denyOut": ["0.0.0.0/0"]})
     assert r.status_code == 404 and r.json() == {"code": 404, "message": f"sandbox '{sid}' not found"}
+
+
+RECEIVER = """
+import json, socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 9999))
+s.settimeout(4)
+got = []
+print("ready", flush=True)
+try:
+    while True:
+        data, src = s.recvfrom(100)
+        got.append([data.decode(), src[0]])
+except TimeoutError:
+    pass
+print(json.dumps(got), flush=True)
+"""
+
+SENDER = """
+import socket, sys
+for src in ("169.254.0.21", sys.argv[1]):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((src, 0))
+    s.sendto(src.encode(), (sys.argv[2], 9999))
+    s.close()
+"""
+
+
+def test_a_guest_cannot_send_with_a_forged_source_address(api: httpx.Client, outside: None) -> None:
+    """Root in a guest gives itself another address and sends from it: the packet must not
+    leave its namespace (spoofed traffic from this host, or another sandbox's address used to
+    open a path to it). The same datagram from the guest's own address arrives, masqueraded."""
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    receiver = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, "-c", RECEIVER, OUTSIDE_IP],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert receiver.stdout is not None and receiver.stdout.readline().strip() == "ready"
+        forged = "192.0.2.77"
+        for cmd in (["ip", "addr", "add", f"{forged}/32", "dev", "eth0"],
+                    ["python3", "-c", SENDER, forged, OUTSIDE_IP]):
+            r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": cmd, "user": "root"})
+            assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+        out, _ = receiver.communicate(timeout=30)
+        got = json.loads(out.strip().splitlines()[-1])
+        assert [data for data, _src in got] == ["169.254.0.21"], got
+        assert got[0][1] == HOST_IP, "masqueraded to the host's address on that route"
+    finally:
+        receiver.kill()
+        api.delete(f"/sandboxes/{sid}")

@@ -198,6 +198,19 @@ def test_get_host_reaches_a_server_in_the_sandbox(sdk: SDK) -> None:
         o["init"] = r.status_code
         r = httpx.post(server + "/sync", headers={"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "49983"})
         o["sync"] = r.status_code
+        # The same route in forms that httpx or the agent would normalise to it, sent as they are
+        # (http.client does not touch the path): each must be refused, and the token must hold.
+        import http.client, urllib.parse
+        netloc = urllib.parse.urlsplit(server).netloc
+        o["bypass"] = {}
+        for raw in ("/./init", "/a/../init", "//x/init", "/%69nit", "/init/.", "//h/sync"):
+            c = http.client.HTTPConnection(netloc, timeout=30)
+            c.request("POST", raw, body=b'{"accessToken": "", "defaultUser": "root"}',
+                      headers={"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "49983",
+                               "Content-Type": "application/json"})
+            o["bypass"][raw] = c.getresponse().status
+            c.close()
+        o["still_user"] = sb.commands.run("whoami").stdout.strip()
         sb.kill()
         r = httpx.get(server + "/hello.txt", headers={"Host": host})
         o["killed"] = [r.status_code, r.json()]
@@ -210,6 +223,8 @@ def test_get_host_reaches_a_server_in_the_sandbox(sdk: SDK) -> None:
                                    "port": 8001, "code": 502}]
     assert out["by_headers"] == 200
     assert out["init"] == 404 and out["sync"] == 404  # the host's control routes
+    assert set(out["bypass"].values()) == {404}, out["bypass"]
+    assert out["still_user"] == "user", "nothing reached the agent's /init"
     assert out["killed"] == [502, {"sandboxId": sid, "message": "The sandbox was not found", "code": 502}]
 
 

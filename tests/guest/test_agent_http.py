@@ -181,8 +181,10 @@ RPCS = [f"process.Process/{m}" for m in ("Start", "Connect", "List", "SendSignal
                                                "CreateWatcher", "GetWatcherEvents", "RemoveWatcher")]
 
 
-async def test_token_required_on_every_route_but_health_files_and_init(http: httpx.AsyncClient, client: EnvdClient,
-                                                                       tmp_path: Path) -> None:
+async def test_token_required_on_every_route_but_health_and_files(http: httpx.AsyncClient, client: EnvdClient,
+                                                                  tmp_path: Path) -> None:
+    """Once a token is set, every route needs it (``/files`` may use a signature instead), the
+    host's ``/init`` too: it could otherwise clear the token and take over the sandbox."""
     await client.init(sandbox_id="s", template_id="t", env_vars={}, access_token="tok")
     victim = tmp_path / "made-by-attacker"
     for token in (None, "wrong", "TOK", ""):
@@ -197,6 +199,8 @@ async def test_token_required_on_every_route_but_health_files_and_init(http: htt
         for path in ("/envs", "/metrics", "/no-such-route"):
             assert (await http.get(path, headers=headers)).status_code == 401, path
         assert (await http.post("/sync", headers=headers)).status_code == 401
+        resp = await http.post("/init", json={"accessToken": "", "defaultUser": "root"}, headers=headers)
+        assert resp.status_code == 401
         # /files without a valid token or signature
         assert (await http.get("/files", params={"path": "/etc/hostname"}, headers=headers)).status_code == 401
         resp = await http.post("/files", params={"path": str(victim)}, content=b"x",
@@ -209,6 +213,8 @@ async def test_token_required_on_every_route_but_health_files_and_init(http: htt
     assert (await http.get("/metrics", headers=ok)).status_code == 200
     assert (await http.get("/envs", headers=ok)).status_code == 200
     assert (await http.post("/sync", headers=ok)).status_code == 204  # the host's, before a filesystem-only pause
+    assert (await http.post("/init", json={"envVars": {"K": "v"}}, headers=ok)).status_code == 204
+    assert (await http.get("/envs", headers=ok)).json()["K"] == "v", "the token still holds after an /init"
     resp = await http.post("/filesystem.Filesystem/MakeDir", content=json.dumps({"path": str(victim)}), headers={**JSON, **ok})
     assert resp.status_code == 200 and victim.is_dir()
     assert (await http.get("/files", params={"path": "/etc/hostname"}, headers=ok)).status_code == 200

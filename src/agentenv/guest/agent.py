@@ -164,9 +164,9 @@ class Agent:
             user = self.files.auth(req, "read" if method == "GET" else "write")
             return await (self.files.download(req, resp, user) if method == "GET"
                           else self.files.upload(req, resp, user))
-        if path == "/init" and method == "POST":
-            return await self.init(req, resp)
         self._check_token(req)  # everything below needs the access token, when one is set
+        if path == "/init" and method == "POST":  # (the first, before any token, is open)
+            return await self.init(req, resp)
         if path == "/files/compose" and method == "POST":
             return await self.files.compose(req, resp)
         if path == "/sync" and method == "POST":  # the host, before a filesystem-only pause

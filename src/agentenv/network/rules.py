@@ -23,7 +23,10 @@ ALWAYS_DENIED = (
 
 
 def namespace_ruleset(ns_addr: str) -> str:
-    """Inside one sandbox namespace: DNAT host→guest, masquerade guest→out, deny private ranges."""
+    """Inside one sandbox namespace: DNAT host→guest, masquerade guest→out, deny private ranges.
+    A packet from the guest with any source but the guest's own address is dropped: forged
+    sources would leave un-NATed (spoofed traffic from this host) or, as another slot's
+    address, open a path to that sandbox through an outside relay."""
     denied = ", ".join(ALWAYS_DENIED)
     return f"""
 table ip aenv {{
@@ -39,6 +42,7 @@ table ip aenv {{
   }}
   chain forward {{
     type filter hook forward priority filter; policy drop;
+    iifname "tap0" ip saddr != {GUEST_ADDR} drop
     ct state established,related accept
     iifname "vpeer" oifname "tap0" ip daddr {GUEST_ADDR} accept
     iifname "tap0" oifname "vpeer" ip daddr {{ {denied} }} drop

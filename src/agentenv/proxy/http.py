@@ -32,6 +32,19 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 ENVD_PORT = 49983
 # envd's control routes, never reachable from outside (E2B's edge answers 404).
 INTERNAL_ENVD_PATHS = frozenset({"/init", "/sync", "/port-forward", "/upgrade", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
+
+
+def envd_path_allowed(raw_path: bytes) -> bool:
+    """Whether a path may be forwarded to the guest agent. Only the plain form the SDKs send
+    passes: no empty, ``.`` or ``..`` segment and no percent-escape (file paths travel in the
+    query). httpx and the agent would normalise anything else, so that ``/./init`` or
+    ``//x/init`` reached a route that is the host's alone; and the host's routes never pass."""
+    path = raw_path.decode("latin-1")
+    if not path.startswith("/") or "%" in path or "//" in path:
+        return False
+    if any(seg in (".", "..") for seg in path.split("/")):
+        return False
+    return path not in INTERNAL_ENVD_PATHS
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                         b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host"})
 # Requests are made as httpx.Request, not with a client's build_request: that would add the
@@ -206,6 +219,8 @@ class SandboxProxy:
 
     async def websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        if port == ENVD_PORT and not envd_path_allowed(scope.get("raw_path") or scope.get("path", "/").encode()):
+            raise _Reject(404, {"code": 404, "message": "Not Found"})
         addr, _ = await self._lookup(sandbox_id, port, headers)
         await websocket.forward(self, scope, receive, send, addr, sandbox_id, port)
 
@@ -213,7 +228,8 @@ class SandboxProxy:
         raw_headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         headers = {k.lower(): v for k, v in raw_headers}
         path = scope.get("path", "/")
-        if port == ENVD_PORT and path in INTERNAL_ENVD_PATHS:
+        raw_path = scope.get("raw_path") or path.encode()
+        if port == ENVD_PORT and not envd_path_allowed(raw_path):
             raise _Reject(404, {"code": 404, "message": "Not Found"})
         addr, net = await self._lookup(sandbox_id, port, headers)
 
@@ -223,7 +239,6 @@ class SandboxProxy:
             host = mask.replace("${PORT}", str(port)).encode() if mask else headers.get(b"host")
             if host:
                 fwd.append((b"host", host))
-        raw_path = scope.get("raw_path") or path.encode()
         url = f"http://{addr}:{port}{raw_path.decode('latin-1')}"
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
