@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
 from tests.e2e.conftest import ns_addr, run
+from tests.framework.net import node_cidr
 from tests.framework.server import ServerProcess
 
 
@@ -44,3 +48,39 @@ def test_sandboxes_are_isolated_from_each_other_and_the_host(api: httpx.Client, 
         listener.close()
         for s in (a, b):
             api.delete(f"/sandboxes/{s}")
+
+
+def test_a_guest_sends_nothing_out_before_its_sandbox_has_a_policy(tmp_path: Path) -> None:
+    """A shell's guest runs before its create applies the sandbox's egress policy (priming; or,
+    here, a shell made inline with no pool): its namespace denies every outbound connection
+    meanwhile, then holds the sandbox's policy (the default: no egress rule)."""
+    s = ServerProcess(tmp_path / "data", node_cidr(41), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0")
+    s.start()
+
+    def egress(ns: str) -> str:
+        return subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "chain", "ip", "aenv", "egress"],
+                              capture_output=True, text=True).stdout
+
+    try:
+        with s.client() as api:
+            api.delete(f"/sandboxes/{api.post('/sandboxes', json={'templateID': 'base'}).json()['sandboxID']}")
+            seen: set[str] = set()
+
+            def create() -> httpx.Response:
+                with s.client() as other:
+                    return other.post("/sandboxes", json={"templateID": "base"})
+
+            with ThreadPoolExecutor(1) as ex:
+                pending = ex.submit(create)
+                while not pending.done():
+                    for spec in (s.data_dir / "sandboxes").glob("*/machine.json"):
+                        rules = egress(json.loads(spec.read_text())["netns"])
+                        if "0.0.0.0/0" in rules and "drop" in rules:
+                            seen.add(spec.parent.name)
+                sid = pending.result().json()["sandboxID"]
+            assert sid in seen, "the guest ran with no policy: outbound traffic was not denied"
+            ns, _ = ns_addr(s, sid)
+            assert "drop" not in egress(ns), "the sandbox's own policy (none) replaced the denial"
+            assert run(api, sid, "echo ok")["stdout"] == "ok\n"
+    finally:
+        s.kill_all()

@@ -53,6 +53,19 @@ log = logging.getLogger(__name__)
 INIT_RETRY_S = 5.0  # init_later: between tries, and the bound of each
 
 
+async def together(*work: Coroutine[Any, Any, object]) -> None:
+    """Run ``work`` concurrently; on the first failure cancel the rest, wait for them, and
+    raise that failure itself (not a group: the API maps it to its status)."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class Orchestrator:
     def __init__(self, settings: Settings, registry: RegistrySettings | None = None) -> None:
         self.settings = settings
@@ -278,8 +291,11 @@ class Orchestrator:
                 try:
                     # Not persisted while creating: if the server dies now, the run dir has no record
                     # and recovery kills its QEMU and removes it; the caller got no answer and retries.
-                    await self._apply_egress(live)  # before the guest runs a single instruction
-                    await self._restore(live, shell)
+                    if shell.frozen:  # primed: its guest runs again only once activated (cont)
+                        await self._apply_egress(live, restrictive_only=True)
+                        await self._restore(live, shell)
+                    else:  # made inline, running and sending nothing out (shells.make_shell)
+                        await together(self._apply_egress(live), self._restore(live, shell))
                 except BaseException as exc:
                     # A ready shell whose QEMU died while it waited (before the loop saw it go):
                     # not the caller's problem, another shell serves the create.
@@ -681,9 +697,11 @@ class Orchestrator:
             out["maskRequestHost"] = str(network["maskRequestHost"])
         return out
 
-    async def _apply_egress(self, live: LiveSandbox) -> None:
+    async def _apply_egress(self, live: LiveSandbox, restrictive_only: bool = False) -> None:
+        """The sandbox's egress policy (none: everything outside the always-denied ranges).
+        ``restrictive_only``: the namespace allows everything already; only a policy changes it."""
         net = live.record.options.get("network") or {}
-        if (net.get("allowOut") or net.get("denyOut")) and live.slot is not None:
+        if live.slot is not None and (net.get("allowOut") or net.get("denyOut") or not restrictive_only):
             await set_egress(live.slot, net.get("allowOut", []), net.get("denyOut", []))
 
     async def update_network(self, sandbox_id: str, allow_out: list[str] | None,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from agentenv.envd_client import EnvdClient, EnvdError
 from agentenv.errors import GuestError
-from agentenv.network import Slot, SlotPool
+from agentenv.network import Slot, SlotPool, set_egress
 from agentenv.orchestrator.cleanup import Cleanup
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
 from agentenv.orchestrator.templates import guest_link_spec
@@ -88,6 +88,10 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
         await create_overlay(run_dir / "disk.qcow2", snapshot.disk, "qcow2")
         slot = await slots.acquire()
         undo.add("slot", lambda: slots.release(slot))
+        # No outbound traffic while the guest runs before anyone chose its policy (priming, or
+        # an inline shell until its create applies the policy): nothing it opens then can
+        # stay established past that policy.
+        await set_egress(slot, [], ["0.0.0.0/0"])
         spec = MachineSpec(
             name=sandbox_id, run_dir=run_dir, sock_dir=sock_dir, kernel=Path(snapshot.kernel),
             initramfs=Path(snapshot.initramfs), disk=run_dir / "disk.qcow2", tools=Path(snapshot.tools),
@@ -121,6 +125,9 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
             raise GuestError(f"restored guest agent did not answer within {restore_timeout_s:.0f}s "
                              f"({exc.message})") from exc
         await machine.qmp("stop")
+        # Frozen, it opens nothing: its namespace may allow again what a sandbox without a
+        # policy may reach; a create with a policy applies it before the guest runs (cont).
+        await set_egress(slot, [], [])
         undo.release()
         return Shell(sandbox_id, run_dir, slot, machine, snapshot, envd, token)
     except BaseException:
