@@ -54,7 +54,7 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
     live = orch._require(sandbox_id, {State.RUNNING, State.PAUSING, State.PAUSED, State.SNAPSHOTTING,
                                       State.FORKING})
     async with live.lock:
-        if due and (live.record.state != State.RUNNING or live.record.end_at > time.time()):
+        if due and not live.past_end():
             return live.record
         if live.record.state == State.PAUSED:
             raise SandboxStateError(sandbox_id, "paused", "running")

@@ -6,10 +6,12 @@ The aggregate stays thin: it holds references and a lock, it does not contain me
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from agentenv.envd_client import EnvdClient
 from agentenv.network import Slot
+from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.store import SandboxRecord
 from agentenv.vmm import Machine
 
@@ -58,3 +60,14 @@ class LiveSandbox:
     @property
     def id(self) -> str:
         return self.record.id
+
+    @property
+    def vm(self) -> Machine | None:
+        """The QEMU that holds this sandbox's memory: its running VM, or its parked one."""
+        return self.machine or (self.parked.machine if self.parked else None)
+
+    def past_end(self) -> bool:
+        """Running past its end time: the reaper kills it, or pauses it (auto-pause). Asked
+        again by the kill or pause once it holds the lock (a pause or a new timeout may have
+        come first)."""
+        return self.record.state == State.RUNNING and self.record.end_at <= time.time()

@@ -341,7 +341,7 @@ class Orchestrator:
                 raise SandboxNotFound(sandbox_id)
             if live.record.state == State.KILLING:
                 return
-            if due and (live.record.state != State.RUNNING or live.record.end_at > time.time()):
+            if due and not live.past_end():
                 return
             await self._transition(live, State.KILLING)
             if (parked := parking.take(live)) is not None:  # released below, as a running VM
@@ -471,8 +471,7 @@ class Orchestrator:
             await asyncio.sleep(0.5)
             now = time.time()
             for live in list(self._live.values()):
-                if live.record.state == State.RUNNING and live.record.end_at <= now \
-                        and self._reap_retry.get(live.id, (0.0, 0.0))[0] <= now:
+                if live.past_end() and self._reap_retry.get(live.id, (0.0, 0.0))[0] <= now:
                     action = "pause" if live.record.auto_pause else "kill"
                     log.info("sandbox %s reached its timeout: %s", live.id, action)
                     try:
@@ -556,8 +555,7 @@ class Orchestrator:
     def template_snapshots_in_use(self) -> set[str]:
         """Template snapshot dirs and memory files that sandboxes or saved states start from."""
         bases = {r.record.base_dir for r in self._live.values()} | {cp.base for cp in self.repo.list()}
-        machines = [r.machine or (r.parked.machine if r.parked else None) for r in self._live.values()]
-        return bases | {str(m.spec.mem_path) for m in machines if m is not None}
+        return bases | {str(r.vm.spec.mem_path) for r in self._live.values() if r.vm is not None}
 
     def image_lock(self, key: str) -> asyncio.Lock:
         """One conversion at a time per output file (two pulls of one image wait for each other)."""
@@ -655,8 +653,7 @@ class Orchestrator:
             removed = await asyncio.to_thread(self.repo.gc, pins, staging_older_than)
         # A fork child's VM maps its fork's memory file while it runs, while it is parked, and
         # while it is being woken (a resume holds it outside ``live.machine`` until it answers).
-        mapped = {str(m.spec.mem_path) for live in self._live.values()
-                  for m in (live.machine, live.parked.machine if live.parked else None) if m is not None}
+        mapped = {str(live.vm.spec.mem_path) for live in self._live.values() if live.vm is not None}
         waking = any(live.record.state == State.RESUMING for live in self._live.values())
         unused = [f for f in self.settings.mem_dir.glob("fork-*.mem")
                   if str(f) not in mapped and not self._forking and not waking]

@@ -66,6 +66,14 @@ class _ClientGone(Exception):
     """The client disconnected while sending the request body."""
 
 
+def _refuse_host_routes(scope: Scope, port: int) -> bytes:
+    """The request's raw path; 404 for one to the agent that ``envd_path_allowed`` refuses."""
+    raw_path: bytes = scope.get("raw_path") or scope.get("path", "/").encode()
+    if port == ENVD_PORT and not envd_path_allowed(raw_path):
+        raise _Reject(404, {"code": 404, "message": "Not Found"})
+    return raw_path
+
+
 def not_found(sandbox_id: str) -> _Reject:
     return _Reject(502, {"sandboxId": sandbox_id, "message": "The sandbox was not found", "code": 502})
 
@@ -219,18 +227,14 @@ class SandboxProxy:
 
     async def websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        if port == ENVD_PORT and not envd_path_allowed(scope.get("raw_path") or scope.get("path", "/").encode()):
-            raise _Reject(404, {"code": 404, "message": "Not Found"})
+        _refuse_host_routes(scope, port)
         addr, _ = await self._lookup(sandbox_id, port, headers)
         await websocket.forward(self, scope, receive, send, addr, sandbox_id, port)
 
     async def http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         raw_headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         headers = {k.lower(): v for k, v in raw_headers}
-        path = scope.get("path", "/")
-        raw_path = scope.get("raw_path") or path.encode()
-        if port == ENVD_PORT and not envd_path_allowed(raw_path):
-            raise _Reject(404, {"code": 404, "message": "Not Found"})
+        raw_path = _refuse_host_routes(scope, port)
         addr, net = await self._lookup(sandbox_id, port, headers)
 
         fwd = [(k, v) for k, v in raw_headers if k.lower() not in HOP_BY_HOP]
