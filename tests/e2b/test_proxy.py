@@ -80,6 +80,27 @@ def test_private_sandbox_ports_need_the_traffic_token(e2b_server: ServerProcess,
         api.delete(f"/sandboxes/{sid}")
 
 
+def test_a_request_without_the_traffic_token_does_not_wake_a_private_sandbox(
+        e2b_server: ServerProcess, api: httpx.Client) -> None:
+    r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120, "autoPause": True,
+                                        "autoResume": {"enabled": True},
+                                        "network": {"allowPublicTraffic": False}})
+    assert r.status_code == 201, r.text
+    sid, token = r.json()["sandboxID"], r.json()["trafficAccessToken"]
+    try:
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        url, host = e2b_server.url + "/", f"8000-{sid}.aenv.test"
+        for sent in ({}, {"e2b-traffic-access-token": "wrong"}):
+            r = httpx.get(url, headers={"Host": host, **sent})
+            assert r.status_code == 403, r.text
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"  # not woken by a stranger
+        r = httpx.get(url, headers={"Host": host, "e2b-traffic-access-token": token}, timeout=60)
+        assert r.status_code == 502 and "port" in r.text.lower()  # woken; nothing listens on 8000
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
 def test_proxy_routing_errors(e2b_server: ServerProcess) -> None:
     u = e2b_server.url
     r = httpx.get(u + "/health", headers={"E2b-Sandbox-Id": "inosuchsandbox", "E2b-Sandbox-Port": "49983"})

@@ -197,11 +197,13 @@ async def _destroy(veth: str, netns: str) -> None:
 
 
 async def host_firewall_up(tag: str, ifprefix: str, cidr: str) -> None:
-    """Install the host table (idempotent) and enable forwarding for outbound traffic."""
+    """Install the host table (idempotent) and enable forwarding for outbound traffic. The old
+    table (a restart) is replaced in the same transaction: its sandboxes, which outlive the
+    server, are never without the rules that keep them apart."""
     table = f"aenv_{tag[:4]}"
-    await run(["nft", "delete", "table", "inet", table], check=False)
+    replace = f"add table inet {table}\ndelete table inet {table}\n"
     try:
-        await run(["nft", "-f", "-"], input=host_ruleset(table, ifprefix, cidr).encode())
+        await run(["nft", "-f", "-"], input=(replace + host_ruleset(table, ifprefix, cidr)).encode())
         await run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
     except ExternalCommandError as exc:
         raise NetworkError(

@@ -8,6 +8,7 @@ drop and then the proxy's 502 "not found" (their ``SandboxNotRunningException``)
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -197,18 +198,24 @@ class SandboxProxy:
             return False
 
     async def _lookup(self, sandbox_id: str, port: int, headers: dict[bytes, bytes]) -> tuple[str, dict[str, Any]]:
+        try:
+            rec = self.orch.get(sandbox_id)
+        except NotFound:
+            raise not_found(sandbox_id) from None
+        # The traffic token before anything else: without it, a request must not even wake a
+        # paused private sandbox.
+        token = rec.options.get("trafficAccessToken")
+        sent = headers.get(b"e2b-traffic-access-token", b"")
+        if port != ENVD_PORT and token and not hmac.compare_digest(sent, str(token).encode("latin-1", "replace")):
+            raise _Reject(403, {"code": 403, "message": f"sandbox {sandbox_id} is private: send its traffic access "
+                                "token in the e2b-traffic-access-token header"})
         await self._auto_resume(sandbox_id)
         try:
             rec = self.orch.get(sandbox_id)
             addr = self.orch.guest_address(sandbox_id)
         except (NotFound, SandboxStateError):
             raise not_found(sandbox_id) from None
-        net = rec.options.get("network") or {}
-        token = rec.options.get("trafficAccessToken")
-        if port != ENVD_PORT and token and headers.get(b"e2b-traffic-access-token", b"").decode("latin-1") != token:
-            raise _Reject(403, {"code": 403, "message": f"sandbox {sandbox_id} is private: send its traffic access "
-                                "token in the e2b-traffic-access-token header"})
-        return addr, net
+        return addr, rec.options.get("network") or {}
 
     async def _auto_resume(self, sandbox_id: str) -> None:
         """Traffic for a paused sandbox created with ``autoResume.enabled`` resumes it (with
