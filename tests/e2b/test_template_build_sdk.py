@@ -88,6 +88,15 @@ TAGS = """
     except Exception as exc:
         o["assign_unknown"] = type(exc).__name__
     o["base_default"] = starts("base:default", "echo up")
+    # a build from a tagged template
+    d = Template().from_template("sdk-tagged:stable").run_cmd("cp /home/user/t.txt /home/user/u.txt")
+    Template.build(d, name="sdk-derived")
+    o["derived"] = starts("sdk-derived", "cat /home/user/u.txt")
+    try:
+        Template.build(Template().from_template("sdk-tagged:nope").run_cmd("true"), name="sdk-derived2")
+        o["derived_unknown_tag"] = "no error"
+    except Exception as exc:
+        o["derived_unknown_tag"] = type(exc).__name__ + ": " + str(exc)[:300]
     print(json.dumps(o))
 """
 
@@ -97,7 +106,8 @@ def test_template_tags_through_the_sdk(sdk: SDK, api: httpx.Client) -> None:
     try:
         out = sdk.python(PY_LATEST, TAGS, timeout=900)
     finally:
-        api.delete("/templates/sdk-tagged")
+        for t in ("sdk-derived2", "sdk-derived", "sdk-tagged"):
+            api.delete(f"/templates/{t}")
     assert (out["v1"], out["default"], out["plain"], out["prod"]) == ("tagged",) * 4, out
     assert "has no tag 'nope'" in out["nope"] and "default, v1" in out["nope"], out
     assert out["assigned"] == ["prod", "stable"] and out["assigned_build_is_v1s"], out
@@ -106,3 +116,5 @@ def test_template_tags_through_the_sdk(sdk: SDK, api: httpx.Client) -> None:
     assert "has no tag 'prod'" in out["prod_removed"], out
     assert out["assign_unknown"] != "no error", out
     assert out["base_default"] == "up", out  # a built-in template has the default tag
+    assert out["derived"] == "tagged", out  # fromTemplate "name:tag"
+    assert "has no tag 'nope'" in out["derived_unknown_tag"], out

@@ -33,6 +33,7 @@ from agentenv.errors import (
     SandboxNotFound,
     SnapshotUnusable,
 )
+from agentenv.orchestrator.builds import tags
 from agentenv.orchestrator.builds.records import (
     ACTIVE,
     LEVELS,
@@ -378,7 +379,10 @@ class Builds(GuestSteps):
             t = await orch.pull(spec.from_image, **kw)
             name = t.name
         else:
-            name = spec.from_template or "base"
+            try:  # E2B's fromTemplate may name a tag: "name:tag"
+                name = tags.resolve(spec.from_template or "base", self, orch.catalog)
+            except NotFound as exc:
+                raise StepFailed(f"base template: {exc}", "base") from None
         if orch.catalog.exists(name):
             t = orch.catalog.get(name)
             v, m = orch.validate_shape(t, b.vcpus, b.memory_mb)
