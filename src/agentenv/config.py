@@ -1,7 +1,7 @@
 """Settings: the one place configuration is read.
 
-Only ``server.py`` and ``cli/`` call ``Settings.from_env``; every other module receives the
-values it needs as arguments (docs/architecture.md, "configuration").
+Only ``server.py``, ``cli/`` and the benchmark's node (``bench/``) call ``Settings.from_env``;
+every other module receives the values it needs as arguments (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ async def pull(ref: str | ImageRef, cache: Path, settings: RegistrySettings, *,
     creds = (username, password) if username is not None and password is not None else None
     if ":" in str(cache.resolve()):
         raise ProvisioningError(f"image cache {cache} has a ':' in its path; skopeo and umoci read "
-                                "'path:tag' and cannot use it: choose another AENV_CACHE_DIR")
+                                "'path:tag' and cannot use it: choose another AENV_DATA_DIR")
     root = cache / "oci"
     root.mkdir(parents=True, exist_ok=True)
     if image_ref.digest and (cached := await _reuse(image_ref, layout_dir(cache, image_ref.digest), image_ref.digest)):

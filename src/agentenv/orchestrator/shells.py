@@ -1,14 +1,16 @@
 """Restore shells: a sandbox restored ahead of time and frozen, waiting to be handed out.
 
 Making a shell: slot + overlay + QEMU in ``-incoming defer`` → load the template's device state
-→ wait for the guest agent → ``/init`` once → QMP ``stop``. Handing it out (``activate``) is then
-only ``cont`` + ``/init`` with the sandbox's fresh clock, entropy, env vars and token.
+→ wait for the guest agent → ``/init`` with the sandbox's identity (id, fresh entropy, token) →
+two warm-up commands → QMP ``stop``. Handing it out (``activate``) is then only ``cont`` + the
+agent's ``/init`` with the clock (it stood still while frozen) and the create's env vars.
 
 Why restore ahead and not only start QEMU ahead: under TCG a new QEMU process has an empty
 translation cache, and the first pass of the guest's network stack and agent through it costs
 hundreds of milliseconds. A primed shell has already paid that; while frozen it uses no CPU and
-its guest clock does not advance. The guest state it carries is the template's plus one health
-check, and the identity a sandbox sees (id, clock, random state) is applied at activation.
+its guest clock does not advance. The guest state it carries is the template's plus its
+priming; its identity is its own from the priming on (it is one VM of its own, so that is as
+fresh as at activation), and the clock is set at activation.
 
 A shell already carries the id of the sandbox it will become (its paths are named after it).
 """
