@@ -14,6 +14,7 @@ built for who knows what, from ever running on the host.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -79,21 +80,44 @@ def _ensure_regular(root: Path, rel: str, default: bytes) -> None:
         raise InvalidRequest(f"the image's /{rel} is not a regular file")
 
 
+MAX_TABLE_BYTES = 16 << 20  # an account table larger than this is no account table
+
+
+def _read_regular(path: Path) -> str | None:
+    """The text of an account table of the image, or None when there is none. Anything but a
+    regular file of sane size is refused: the image chose what is at that path, and reading a
+    FIFO would block forever, a device such as /dev/zero would never end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise InvalidRequest(f"the image's {path.name} cannot be read ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_TABLE_BYTES:
+            raise InvalidRequest(f"the image's /etc/{path.name} is not a regular file of at most "
+                                 f"{MAX_TABLE_BYTES >> 20} MiB")
+        return f.read(MAX_TABLE_BYTES).decode(errors="replace")
+
+
 def _read_table(path: Path) -> list[list[str]]:
-    if not path.is_file():
+    text = _read_regular(path)
+    if text is None:
         return []
-    return [ln.split(":") for ln in path.read_text(errors="replace").splitlines() if ln and not ln.startswith("#")]
+    return [ln.split(":") for ln in text.splitlines() if ln and not ln.startswith("#")]
 
 
 def _append(path: Path, line: str, *, create_with: str | None, mode: int = 0o644) -> None:
     """Append one line; create the file (with ``create_with`` first) only when that is given."""
-    if not path.exists():
+    text = _read_regular(path)
+    if text is None:
         if create_with is None:
             return
         path.write_text(create_with)
         os.chmod(path, mode)
-    text = path.read_text(errors="replace")
-    with path.open("a") as f:
+        text = create_with
+    with open(path, "a") as f:  # a regular file (above), and no symlink (resolve_in)
         f.write(("" if not text or text.endswith("\n") else "\n") + line + "\n")
 
 
