@@ -19,7 +19,9 @@ from agentenv.errors import ExternalCommandError
 async def run(argv: list[str], *, input: bytes | None = None, check: bool = True) -> str:
     """Run ``argv`` to completion and return its combined output.
 
-    Raises ExternalCommandError when it exits non-zero and ``check`` is set.
+    Raises ExternalCommandError when it exits non-zero and ``check`` is set. If the caller is
+    cancelled, the command is killed and reaped first (a cancelled conversion must not leave
+    ``umoci`` writing into a tree its caller is deleting).
     """
     proc = await asyncio.create_subprocess_exec(
         *argv,
@@ -27,7 +29,13 @@ async def run(argv: list[str], *, input: bytes | None = None, check: bool = True
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    out, _ = await proc.communicate(input)
+    try:
+        out, _ = await proc.communicate(input)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await asyncio.shield(proc.wait())
+        raise
     text = out.decode(errors="replace")
     if check and proc.returncode != 0:
         raise ExternalCommandError(argv, proc.returncode or -1, text)

@@ -180,6 +180,16 @@ def test_image_config_json_round_trip():
     assert ImageConfig.from_json(json.loads(json.dumps(c.to_json()))) == c
 
 
+@pytest.mark.parametrize("config, field", [
+    ({"Env": [1, 2]}, "Env"), ({"User": ["root"]}, "User"), ({"Cmd": "echo hi"}, "Cmd"),
+    ({"WorkingDir": 7}, "WorkingDir"), ({"Entrypoint": [None]}, "Entrypoint"),
+])
+def test_a_malformed_image_config_is_a_clear_400(config, field):
+    with pytest.raises(InvalidRequest, match=f"{field} must be"):
+        ImageConfig.from_oci({"config": config})
+    assert ImageConfig.from_oci({"config": {"Env": ["A=1", "B"], "User": "1000"}}).env == {"A": "1", "B": ""}
+
+
 # ---------------------------------------------------------------- pull + convert
 
 async def test_pull_and_convert_busybox(registry, busybox, cache, tmp_path):

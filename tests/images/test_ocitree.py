@@ -83,3 +83,23 @@ def test_symlinks_out_of_the_tree_are_followed_inside_it(tmp_path: Path) -> None
     assert list(outside.iterdir()) == [outside / "passwd"]
     inside = root / str(outside).lstrip("/")
     assert "user:x:1000" in (inside / "passwd").read_text()
+
+
+def test_what_interrupted_pulls_left_is_removed_at_start(tmp_path: Path) -> None:
+    from agentenv.orchestrator.pulling import remove_interrupted
+
+    images = tmp_path / "images"
+    auth = images / "oci" / ".auth-x1"
+    auth.mkdir(parents=True)
+    (auth / "auth.json").write_text('{"auths": {"r": {"auth": "YWxpY2U6cHc="}}}')
+    for d in (".pull-abc-1", ".unpack-2", ".drop-abc-3"):
+        (images / "oci" / d / "rootfs").mkdir(parents=True)
+    layout = images / "oci" / ("a" * 64)
+    layout.mkdir()
+    (images / "rootfs").mkdir()
+    (images / "rootfs" / ".oci-x.ext4.unpack-2.partial").write_bytes(b"x")
+    (images / "rootfs" / "oci-x.ext4").write_bytes(b"x")
+    removed = remove_interrupted(images)
+    assert len(removed) == 5
+    assert sorted(p.name for p in (images / "oci").iterdir()) == [layout.name]  # a complete layout stays
+    assert [p.name for p in (images / "rootfs").iterdir()] == ["oci-x.ext4"]

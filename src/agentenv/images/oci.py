@@ -64,10 +64,26 @@ class ImageConfig:
 
     @classmethod
     def from_oci(cls, config: dict[str, Any]) -> ImageConfig:
+        """Raises InvalidRequest naming the field when the image's config has the wrong types
+        (the image's author chose them; they must not become a server error)."""
         c = config.get("config") or {}
-        env = dict(e.split("=", 1) if "=" in e else (e, "") for e in c.get("Env") or [])
-        return cls(env, c.get("WorkingDir") or None, c.get("User") or None,
-                   list(c.get("Entrypoint") or []), list(c.get("Cmd") or []))
+        if not isinstance(c, dict):
+            raise InvalidRequest("the image's config is malformed: 'config' is not an object")
+
+        def strings(field: str) -> list[str]:
+            v = c.get(field) or []
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise InvalidRequest(f"the image's config is malformed: {field} must be a list of strings")
+            return v
+
+        def string(field: str) -> str | None:
+            v = c.get(field) or None
+            if v is not None and not isinstance(v, str):
+                raise InvalidRequest(f"the image's config is malformed: {field} must be a string")
+            return v
+
+        env = dict(e.split("=", 1) if "=" in e else (e, "") for e in strings("Env"))
+        return cls(env, string("WorkingDir"), string("User"), strings("Entrypoint"), strings("Cmd"))
 
     def to_json(self) -> dict[str, Any]:
         return {"env": self.env, "workdir": self.workdir, "user": self.user,

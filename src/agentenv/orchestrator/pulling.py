@@ -14,6 +14,7 @@ import logging
 import re
 import shutil
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentenv.errors import InvalidRequest
@@ -75,6 +76,27 @@ async def pull(orch: Orchestrator, image: str, *, name: str | None = None, usern
     await asyncio.to_thread(orch.catalog.put, template)
     log.info("template %s from %s (%s) in %.1f s", name, pulled.ref, pulled.digest[:19], time.monotonic() - t0)
     return template
+
+
+# What a pull or conversion cut short (a server killed meanwhile) leaves in the image cache:
+# downloads and unpacked trees (GiBs), a half-made ext4, and an auth file with registry
+# credentials in it. Their owners' ``finally`` never ran; no live pull exists at start.
+INTERRUPTED = ("oci/.pull-*", "oci/.unpack-*", "oci/.auth-*", "oci/.drop-*", "rootfs/.*.partial")
+
+
+def remove_interrupted(images_dir: Path) -> list[str]:
+    """At start: delete what interrupted pulls and conversions left (``INTERRUPTED``)."""
+    removed = []
+    for pattern in INTERRUPTED:
+        for p in images_dir.glob(pattern):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(str(p))
+    for path in removed:
+        log.warning("removed %s, left by a pull that was interrupted", path)
+    return removed
 
 
 def remove_unused_images(orch: Orchestrator) -> list[str]:

@@ -28,7 +28,7 @@ from agentenv.errors import (
 )
 from agentenv.images.registry import RegistrySettings
 from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
-from agentenv.orchestrator import leftovers, parking
+from agentenv.orchestrator import leftovers, parking, pulling
 from agentenv.orchestrator.capacity import below_reserve, memory_shortfall
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.idempotency import CreateOnce
@@ -117,6 +117,7 @@ class Orchestrator:
             log.info("KSM on: QEMU processes are mergeable; ksmd scans at the host's rate")
         await asyncio.to_thread(leftovers.record_owner, self.settings)
         await leftovers.remove_leftovers(self.settings)
+        await asyncio.to_thread(pulling.remove_interrupted, self.settings.data_dir / "images")
         await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr)
         await recover(self)
         await self.builds.start()
@@ -531,15 +532,14 @@ class Orchestrator:
     async def pull(self, image: str, *, name: str | None = None, username: str | None = None,
                    password: str | None = None, disk_mb: int | None = None) -> Template:
         """Make (or update) a template from an OCI image; see orchestrator/pulling.py."""
-        from agentenv.orchestrator.pulling import pull
-
-        return await pull(self, image, name=name, username=username, password=password, disk_mb=disk_mb)
+        return await pulling.pull(self, image, name=name, username=username, password=password, disk_mb=disk_mb)
 
     async def delete_image_template(self, name: str) -> None:
         """Forget a template pulled from an image. Its template snapshots (memory files on
         tmpfs) go at once unless a sandbox or a saved state still starts from them; those stay
         until the last user is gone (the next ``remove_stale``: a delete, or a server start).
-        The image's OCI layout and ext4 stay in the image cache for the next pull."""
+        The image's OCI layout and ext4 go too once no template uses them and they are older
+        than a pull in progress could be (``pulling.remove_unused_images``)."""
         t = self.catalog.get(name)
         if t.image is None:
             raise InvalidRequest(f"'{name}' is a built-in template and cannot be deleted")
@@ -548,9 +548,7 @@ class Orchestrator:
         for d in self.snapshots.dirs_of(name):
             await self.pool.forget(d)
         await asyncio.to_thread(self.snapshots.remove_stale, self.catalog, self.template_snapshots_in_use())
-        from agentenv.orchestrator.pulling import remove_unused_images
-
-        await asyncio.to_thread(remove_unused_images, self)
+        await asyncio.to_thread(pulling.remove_unused_images, self)
 
     def template_snapshots_in_use(self) -> set[str]:
         """Template snapshot dirs and memory files that sandboxes or saved states start from."""
