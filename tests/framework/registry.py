@@ -8,6 +8,7 @@ from agentenv.bench.registry import (  # noqa: F401
     LocalRegistry,
     build_busybox_image,
     build_debian_image,
+    build_image_from_tars,
     debian_tarball,
     free_port,
 )

@@ -44,6 +44,7 @@ from tests.framework.registry import (
     LocalRegistry,
     build_busybox_image,
     build_debian_image,
+    build_image_from_tars,
     debian_tarball,
 )
 
@@ -380,6 +381,36 @@ async def test_image_too_large(registry, busybox, cache, tmp_path, size_mb):
     assert f"{size_mb} MiB" in ei.value.message
     assert not list(tmp_path.glob("*small.ext4*"))
     assert [p.name for p in (cache / "oci").iterdir()] == [img.layout.name]  # no unpack dir left
+
+
+@pytest.mark.parametrize("kind", ["sparse", "files"])
+async def test_a_layer_bomb_is_refused_before_it_is_unpacked(registry, cache, tmp_path, kind):
+    """A few KiB of layer that claim GiBs (a sparse file) or more files than the disk has blocks: refused before umoci writes anything, so the host's disk stays free."""
+    src = tmp_path / "src"
+    src.mkdir()
+    tar = tmp_path / "bomb.tar"
+    if kind == "sparse":
+        with open(src / "big", "wb") as f:
+            f.truncate(8 << 30)  # 8 GiB of nothing
+        subprocess.run(["tar", "--sparse", "-C", str(src), "-cf", str(tar), "big"], check=True)
+    else:
+        for i in range(40):
+            d = src / f"d{i}"
+            d.mkdir()
+            for j in range(1000):
+                (d / str(j)).touch()
+        subprocess.run(["tar", "-C", str(src), "-cf", str(tar), "."], check=True)
+    assert tar.stat().st_size < 400 << 20
+    built = build_image_from_tars(registry, f"bomb-{kind}", [tar])
+    img = await pull(built.ref, cache, settings_for(registry.host))
+    t0 = time.monotonic()
+    size_mb = 64 if kind == "files" else 512  # 40,000 files: more than 2 x 64 MiB / 4 KiB
+    with pytest.raises(ImageTooLarge) as ei:
+        await to_ext4(img, tmp_path / "bomb.ext4", size_mb=size_mb)
+    assert f"far more than the {size_mb} MiB disk" in ei.value.message
+    assert time.monotonic() - t0 < 60
+    assert [p.name for p in (cache / "oci").iterdir()] == [img.layout.name]  # nothing unpacked
+    assert not list(tmp_path.glob("*bomb.ext4*"))
 
 
 # ---------------------------------------------------------------- mirrors

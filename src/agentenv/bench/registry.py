@@ -193,6 +193,21 @@ def build_busybox_image(registry: LocalRegistry, name: str, tag: str = "1", *, s
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def build_image_from_tars(registry: LocalRegistry, name: str, tars: list[Path], tag: str = "1") -> BuiltImage:
+    """An image whose layers are the given tar files as they are (tests craft hostile ones)."""
+    tmp = _mkdtemp("aenv-img-")
+    try:
+        layout = tmp / "layout"
+        subprocess.run(["umoci", "init", "--layout", str(layout)], check=True, capture_output=True)
+        subprocess.run(["umoci", "new", "--image", f"{layout}:img"], check=True, capture_output=True)
+        for tar in tars:
+            subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:img", str(tar)],
+                           check=True, capture_output=True)
+        return _push(registry, layout, name, tag)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def debian_tarball(cache: Path = CACHE) -> Path:
     """The Debian tree `aenv setup` builds (images/rootfs.py), the source of a realistic image."""
     found = sorted((cache / "rootfs").glob("debian-bookworm-*.tar"), key=lambda p: p.stat().st_mtime)

@@ -18,7 +18,9 @@ import logging
 import math
 import os
 import shutil
+import tarfile
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -315,6 +317,33 @@ async def _tree_mib(tree: Path) -> float:
     return int(out.split()[0]) / (1 << 20)
 
 
+BOMB_FACTOR = 2  # layers that claim more than this times the disk are refused before unpacking
+
+
+def _expansion(layout: Path, manifest: dict[str, Any]) -> tuple[int, int, list[str]]:
+    """(bytes, entries) the layers' tar streams declare, summed over all layers (an upper bound
+    of the tree: later layers may overwrite or delete), and the media types not scanned.
+    Sparse files count with their full size, as umoci writes them. Blocking: call in a thread."""
+    total = entries = 0
+    skipped = []
+    for desc in manifest["layers"]:
+        media = str(desc.get("mediaType", ""))
+        if "zstd" in media:  # tarfile cannot read it; the check after unpacking still applies
+            skipped.append(media)
+            continue
+        path = layout / "blobs" / "sha256" / str(desc["digest"]).partition(":")[2]
+        try:
+            with tarfile.open(path, mode="r|*") as t:
+                for member in t:
+                    entries += 1
+                    total += max(member.size, 0)
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
+            # What was read counts. Tar writers differ (umoci's own layers end without the
+            # last padding, which Python's reader calls truncated); umoci judges the rest.
+            log.info("layer %s: sized up to a tar read error (%s)", desc["digest"], exc)
+    return total, entries, skipped
+
+
 async def to_ext4(image: PulledImage, out: Path, *, size_mb: int, add_user: bool = True) -> Path:
     """Unpack ``image`` (in a temp dir beside its layout: trees can be big), make it bootable
     (``ocitree.prepare_tree``), pack it with ``mkfs.ext4 -d`` and publish it at ``out`` read-only.
@@ -322,7 +351,15 @@ async def to_ext4(image: PulledImage, out: Path, *, size_mb: int, add_user: bool
     Raises ImageTooLarge when the tree plus 10 % does not fit ``size_mb``, ImageCorrupt when a
     layer fails its digest (checked again here: the cache may have changed since the pull).
     """
-    await asyncio.to_thread(read_layout, image.layout, verify_layers=True)
+    manifest, _ = await asyncio.to_thread(read_layout, image.layout, verify_layers=True)
+    # Before anything is written: layers that declare far more than the disk holds (a
+    # compression or sparse-file bomb of a few KiB can claim GiBs) would fill the host's disk.
+    declared, entries, skipped = await asyncio.to_thread(_expansion, image.layout, manifest)
+    if declared > BOMB_FACTOR * size_mb << 20 or entries > BOMB_FACTOR * (size_mb << 20) // 4096:
+        raise ImageTooLarge(f"image {image.ref} declares {declared >> 20} MiB in {entries} files across its layers, "
+                            f"far more than the {size_mb} MiB disk; ask for a larger disk")
+    if skipped:
+        log.info("image %s: %d zstd layers not sized before unpacking", image.ref, len(skipped))
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".unpack-", dir=image.layout.parent))
     partial = out.with_name(f".{out.name}.{work.name}.partial")
