@@ -105,28 +105,32 @@ def test_server_killed_mid_operation_keeps_the_previous_state(node: ServerProces
         api.delete(f"/sandboxes/{sid}")
 
 
-@pytest.mark.parametrize("point, linger", [
-    ("start_after_restore", "0"),  # a restore into a new QEMU, its slot not yet recorded
-    ("wake_before_cont", "60"),  # a parked VM (orchestrator/parking.py), not yet continued
-    ("wake_after_cont", "60"),  # ... continued, its guest not yet told the clock
+@pytest.mark.parametrize("point, linger, outcome", [
+    # a restore into a new QEMU: loaded, its guest not yet run, its slot not yet recorded
+    ("restore_before_run", "0", "paused"),
+    # ... its guest running on the sandbox's own disk: that VM is the sandbox now
+    ("start_after_restore", "0", "adopted"),
+    ("wake_before_cont", "60", "adopted"),  # a parked VM (orchestrator/parking.py), not yet continued
+    ("wake_after_cont", "60", "adopted"),  # ... continued, its guest not yet told the clock
 ])
-def test_server_killed_mid_resume_loses_nothing(node: ServerProcess, point: str, linger: str) -> None:
+def test_server_killed_mid_resume_loses_nothing(node: ServerProcess, point: str, linger: str, outcome: str) -> None:
     restart(node, faults=point, AENV_PAUSE_LINGER_S=linger)
     try:
         with node.client() as api:
             sid = busy_sandbox(api)
             assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
-            parked = host.qemu_pids(sid)
             interrupt(node, api, f"/sandboxes/{sid}/resume", {"timeout": 600}, point)
+            vm = host.qemu_pids(sid)  # the parked VM, or the one the resume started
+            assert vm
         restart(node, AENV_PAUSE_LINGER_S=linger)  # SIGKILL at the crash point, then a clean start
         with node.client() as api:
-            if linger == "0":
+            if outcome == "paused":
                 assert state(api, sid) == "paused", "the restore was cut short: the saved state stands"
                 assert host.qemu_pids(sid) == set()
                 assert api.post(f"/sandboxes/{sid}/resume", json={"timeout": 600}).status_code == 201
             else:
-                assert state(api, sid) == "running", "the parked VM being woken is re-adopted"
-                assert host.qemu_pids(sid) == parked
+                assert state(api, sid) == "running", "the VM being resumed is re-adopted"
+                assert host.qemu_pids(sid) == vm
             c = counter(api, sid)
             time.sleep(0.3)
             assert counter(api, sid) > c

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -223,12 +224,15 @@ class Checkpointer:
 
     async def restore(self, cp: Checkpoint, *, name: str, run_dir: Path, slot: Slot,
                       disk_top: Path | None = None, mem_file: Path | None = None,
-                      verified: bool = False) -> tuple[Machine, str]:
+                      verified: bool = False,
+                      before_run: Callable[[], Awaitable[None]] | None = None) -> tuple[Machine, str]:
         """A running machine in the state of ``cp``; returns it and its disk overlay.
         ``disk_top`` resumes a paused sandbox on its own overlay; otherwise a new overlay
         is made over the checkpoint's sealed disk. ``mem_file``: a memory file that already
         holds the checkpoint's pages (``materialize``), mapped instead of the template's.
         ``verified``: the caller checked the layers already (once for all of a fork's children).
+        ``before_run``: awaited once the state is loaded, before the guest runs its first
+        instruction (a resume records its VM then: after that, the disk may move on).
         A filesystem-only checkpoint cold-boots the template's kernel on the disk instead, with
         RAM mapped over the template's memory file copy-on-write all the same (so a later
         pause captures the pages changed relative to it, as for any sandbox); the caller waits
@@ -274,7 +278,12 @@ class Checkpointer:
                                        f"(corrupt); delete the snapshot") from exc
             t3 = time.perf_counter()
             if cp.device is not None:  # i.e. not boot (spelled so for the type checker)
-                await machine.load_state(self.repo.layer_path(cp.device.name), timeout=self.restore_timeout_s)
+                await machine.load_state(self.repo.layer_path(cp.device.name), timeout=self.restore_timeout_s,
+                                         run=before_run is None)
+                if before_run is not None:
+                    await self.crash_point("restore_before_run")
+                    await before_run()
+                    await machine.qmp("cont")
             log.info("restore %s: verify+disk %.1f ms, launch %.1f ms, %d pages %.1f ms, device state %.1f ms",
                      name, (t1 - t0) * 1e3, (t2 - t1) * 1e3, pages, (t3 - t2) * 1e3,
                      (time.perf_counter() - t3) * 1e3)

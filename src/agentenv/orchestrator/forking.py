@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,13 +72,14 @@ class Started:
 async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_id: str, access_token: str,
                                 template: str, env_vars: dict[str, str], run_dir: Path,
                                 disk_top: Path | None = None, options: dict[str, Any] | None = None,
-                                mem_file: Path | None = None, keep_if_silent: bool = False) -> Started:
+                                mem_file: Path | None = None, keep_if_silent: bool = False,
+                                before_run: Callable[[Slot], Awaitable[None]] | None = None) -> Started:
     """Slot (with the sandbox's egress rules) + QEMU restored to ``cp`` + the guest's identity
     (id, token, fresh entropy, the clock). Undoes everything it made on failure; never
     touches the checkpoint. ``keep_if_silent`` (a resume on the sandbox's own disk): a guest
     that ran but did not answer is kept, with the error in ``Started.silent`` (a VmmError if
     its QEMU died meanwhile); its disk may have moved on, so going back to the saved state
-    would no longer be exact."""
+    would no longer be exact. ``before_run(slot)``: awaited before the restored guest runs."""
     undo = Cleanup(f"start {sandbox_id}")
     t0 = time.perf_counter()
     try:
@@ -89,7 +91,8 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
         t1 = time.perf_counter()
         machine, disk = await orch.checkpoints.restore(cp, name=sandbox_id, run_dir=run_dir, slot=slot,
                                                        disk_top=disk_top, mem_file=mem_file,
-                                                       verified=mem_file is not None)
+                                                       verified=mem_file is not None,
+                                                       before_run=(lambda: before_run(slot)) if before_run else None)
         undo.add("machine", machine.kill)
         await orch.checkpoints.crash_point("start_after_restore")
         if keep_if_silent and "hang_after_resume" in orch.settings.faults:

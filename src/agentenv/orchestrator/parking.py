@@ -151,8 +151,7 @@ async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: i
     if "hang_after_wake" in orch.settings.faults:
         await p.machine.qmp("stop")  # injected fault (tests): a guest that stops answering
     try:
-        await asyncio.wait_for(p.envd.init(sandbox_id=rec.id, template_id=rec.template, env_vars={},
-                                           access_token=rec.access_token), orch.settings.restore_timeout_s)
+        await live.reidentify(p.envd, orch.settings.restore_timeout_s)
     except (EnvdError, asyncio.TimeoutError, OSError) as exc:
         failure = exc
     live.machine, live.slot, live.envd = p.machine, p.slot, p.envd

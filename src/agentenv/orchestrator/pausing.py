@@ -39,6 +39,7 @@ from agentenv.orchestrator.forking import (
 from agentenv.orchestrator.lifecycle import State
 
 if TYPE_CHECKING:
+    from agentenv.network import Slot
     from agentenv.orchestrator.service import Orchestrator
     from agentenv.orchestrator.store import SandboxRecord
 
@@ -126,13 +127,23 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
             cp = cp.with_(memory=(), device=None)
         await orch._transition(live, State.RESUMING)
         rec = live.record
+        own_disk = cp.disk_top is not None and not cp.filesystem_only
+
+        async def record_vm(slot: Slot) -> None:
+            # Once the guest runs on its own disk there is no going back to the saved state:
+            # with its slot recorded, recovery re-adopts this VM if the server dies from here on.
+            live.record = live.record.with_(slot_index=slot.index)
+            await orch.store.put(live.record)
+
         try:
             # On its own disk, a guest that ran is kept even if it does not answer (see below).
             started = await start_from_checkpoint(
                 orch, cp, sandbox_id=rec.id, access_token=rec.access_token, template=rec.template,
                 env_vars={}, run_dir=Path(rec.run_dir), disk_top=Path(cp.disk_top) if cp.disk_top else None,
-                options=rec.options, keep_if_silent=cp.disk_top is not None)
+                options=rec.options, keep_if_silent=cp.disk_top is not None,
+                before_run=record_vm if own_disk else None)
         except BaseException:
+            live.record = live.record.with_(slot_index=None)
             await orch._transition(live, State.PAUSED)
             raise
         live.machine, live.slot, live.envd = started.machine, started.slot, started.envd

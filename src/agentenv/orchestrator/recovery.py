@@ -143,8 +143,7 @@ async def _settle(orch: Orchestrator, live: LiveSandbox) -> None:
     await orch.store.put(live.record)
     if rec.state == State.RESUMING and live.envd is not None:
         try:  # the clock and entropy the interrupted resume may not have given it
-            await live.envd.init(sandbox_id=rec.id, template_id=rec.template, env_vars={},
-                                 access_token=rec.access_token)
+            await live.reidentify(live.envd, orch.settings.restore_timeout_s)
         except Exception:  # noqa: BLE001 — best effort; the sandbox runs either way
             log.warning("sandbox %s: could not refresh its clock after the interrupted resume", rec.id)
 

@@ -66,6 +66,13 @@ class LiveSandbox:
         """The QEMU that holds this sandbox's memory: its running VM, or its parked one."""
         return self.machine or (self.parked.machine if self.parked else None)
 
+    async def reidentify(self, envd: EnvdClient, timeout_s: float) -> None:
+        """Give the guest the host's clock (it stood still while its VM was stopped) and its
+        identity again, through envd's ``/init``. Raises EnvdError, TimeoutError or OSError."""
+        rec = self.record
+        await asyncio.wait_for(envd.init(sandbox_id=rec.id, template_id=rec.template, env_vars={},
+                                         access_token=rec.access_token), timeout_s)
+
     def past_end(self) -> bool:
         """Running past its end time: the reaper kills it, or pauses it (auto-pause). Asked
         again by the kill or pause once it holds the lock (a pause or a new timeout may have

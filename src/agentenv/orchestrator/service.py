@@ -438,9 +438,7 @@ class Orchestrator:
                 if envd is None or live.envd is not envd or live.record.state not in GUEST_UP:
                     return
                 try:
-                    await asyncio.wait_for(envd.init(sandbox_id=live.id, template_id=live.record.template,
-                                                     env_vars={}, access_token=live.record.access_token),
-                                           INIT_RETRY_S)
+                    await live.reidentify(envd, INIT_RETRY_S)
                 except (EnvdError, asyncio.TimeoutError, OSError):
                     continue
                 log.info("sandbox %s: its guest answered after the resume; it has the clock now", live.id)

@@ -270,8 +270,9 @@ class Machine:
         await self.qmp("migrate-set-capabilities",
                        capabilities=[{"capability": "x-ignore-shared", "state": True}])
 
-    async def load_state(self, state_path: Path, timeout: float = 20.0) -> None:
-        """Load a device state into an -incoming defer machine and let the guest run."""
+    async def load_state(self, state_path: Path, timeout: float = 20.0, run: bool = True) -> None:
+        """Load a device state into an -incoming defer machine and let the guest run (with
+        ``run=False`` it stays stopped until a ``cont``)."""
         await self.qmp("migrate-incoming", uri=f"exec:cat {state_path}")
         deadline = time.monotonic() + timeout
         while True:
@@ -282,7 +283,8 @@ class Machine:
                 raise VmmError(f"{self.spec.name} still loading its state after {timeout}s")
             await asyncio.sleep(0.001)
         if st == "paused" or st == "postmigrate":
-            await self.qmp("cont")
+            if run:
+                await self.qmp("cont")
         elif st != "running":
             raise VmmError(f"{self.spec.name} is {st} after loading its state")
 

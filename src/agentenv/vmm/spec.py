@@ -99,7 +99,9 @@ def build_argv(spec: MachineSpec) -> list[str]:
             "-device", f"virtio-net-device,netdev=n0,mac={spec.guest_mac}",
         ]
     if spec.incoming:
-        argv += ["-incoming", "defer"]
+        # -S: the guest runs only when the host says ``cont`` after the load, never on its own
+        # when the incoming state is complete: a caller can record the VM first (a resume).
+        argv += ["-incoming", "defer", "-S"]
     if spec.device_state_only:
         # a xen-save-devices-state file (pause, snapshot, fork) has no configuration section
         argv += ["-global", "migration.send-configuration=off"]
