@@ -216,6 +216,20 @@ def test_corrupt_or_missing_layer_is_refused_and_leaves_nothing(api: httpx.Clien
     r = api.post("/sandboxes", json={"templateID": "to-corrupt"})
     assert r.status_code == 422, r.text
     assert "checksum" in r.json()["message"]
+    data[8192] ^= 0xFF
+    mem.write_bytes(bytes(data))
+    # The device state is checked whole: also its first page (it was not, before).
+    dev = repo / "layers" / cp["device"]["name"]
+    state_bytes = bytearray(dev.read_bytes())
+    state_bytes[100] ^= 0xFF
+    dev.chmod(0o644)
+    dev.write_bytes(bytes(state_bytes))
+    r = api.post("/sandboxes", json={"templateID": "to-corrupt"})
+    assert r.status_code == 422 and "checksum" in r.json()["message"], r.text
+    state_bytes[100] ^= 0xFF
+    dev.write_bytes(bytes(state_bytes))
+    data[8192] ^= 0xFF  # the memory layer corrupt again, for the next step
+    mem.write_bytes(bytes(data))
     disk = repo / "layers" / cp["disk"][-1]["name"]
     disk.unlink()
     data[8192] ^= 0xFF

@@ -45,6 +45,14 @@ def test_a_lookup_by_name_does_not_reread_every_manifest(tmp_path: Path, monkeyp
     for i in range(50):
         assert repo.get(f"n{i}").id == f"c{i}"
     assert reads == []
+    # nor after this node's own changes (a pause elsewhere, a delete): they update the index
+    repo.put(checkpoint("p1", None, 1000.0, kind="pause"))
+    repo.delete("c3")
+    assert repo.get("n4").id == "c4" and [c.id for c in repo.list("pause")] == ["p1"]
+    assert len(repo.list("snapshot")) == 199
+    with pytest.raises(SnapshotNotFound):
+        repo.get("n3")
+    assert reads == []
     # A manifest written by another process (a node sharing the repository) is found too, once
     # the directory's mtime moved: the kernel stamps it from a clock that ticks every few ms.
     time.sleep(0.05)

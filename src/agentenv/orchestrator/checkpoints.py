@@ -84,13 +84,14 @@ class Checkpointer:
         await asyncio.to_thread(check_writable, self.repo.root)
         await machine.wait_jobs()  # a disk being streamed is not sealed
         env, user, workdir = self._guest_defaults(rec)
-        t0 = time.perf_counter()
-        await machine.qmp("stop")
         undo = Cleanup(f"checkpoint of {rec.id}")
         disk_top = rec.disk_path
         completed = False
+        t0 = time.perf_counter()
         try:
-            async with self.repo.lock:
+            async with self.repo.lock:  # first: the guest runs on while another capture or a gc holds it
+                t0 = time.perf_counter()
+                await machine.qmp("stop")
                 if seal_disk:
                     sealed = await asyncio.to_thread(self.repo.link_disk, Path(rec.disk_path))
                     sealed_path = self.repo.layer_path(sealed.name)
@@ -179,13 +180,23 @@ class Checkpointer:
         dev_tmp = self.repo.staging_path("dev")
         undo.add("dev", lambda: asyncio.to_thread(dev_tmp.unlink, True))
         await machine.save_device_state(dev_tmp)
-        dev_digest = await asyncio.to_thread(ml.file_digest, dev_tmp)
+        dev_digest = await asyncio.to_thread(ml.whole_file_digest, dev_tmp)
         await self.crash_point(f"{kind}_before_publish")
         mem_ref = await asyncio.to_thread(self.repo.import_layer, mem_tmp, "mem", info.digest)
         dev_ref = await asyncio.to_thread(self.repo.import_layer, dev_tmp, "dev", dev_digest)
         memory = (*(rec.origin.memory if rec.origin else ()), mem_ref)
         if len(memory) > self.max_memory_layers:
-            memory = (await self._compact(memory),)
+            try:
+                memory = (await self._compact(memory),)
+            except ml.CorruptLayer as exc:
+                # The VM's RAM is whole: every page restored from the chain is a private page
+                # of its mapping, so all its private pages, compared with no chain, are its state.
+                log.error("%s: %s; its whole memory is saved as one layer instead", rec.id, exc.message)
+                full_tmp = self.repo.staging_path("mem")
+                undo.add("full", lambda: asyncio.to_thread(full_tmp.unlink, True))
+                full = await asyncio.to_thread(ml.capture, machine.pid, machine.spec.mem_path, full_tmp, [],
+                                               uncached=uncached)
+                memory = (await asyncio.to_thread(self.repo.import_layer, full_tmp, "mem", full.digest),)
         return info.pages, memory, dev_ref
 
     async def prefetch(self, cp: Checkpoint) -> None:
@@ -217,7 +228,8 @@ class Checkpointer:
 
     async def _compact(self, memory: tuple[LayerRef, ...]) -> LayerRef:
         out = self.repo.staging_path("mem")
-        info = await asyncio.to_thread(ml.compact, [self.repo.layer_path(r.name) for r in memory], out)
+        info = await asyncio.to_thread(ml.compact, [self.repo.layer_path(r.name) for r in memory], out,
+                                       [r.digest for r in memory])
         return await asyncio.to_thread(self.repo.import_layer, out, "mem", info.digest)
 
     # -- restore --------------------------------------------------------------------------

@@ -281,7 +281,7 @@ async def fork(orch: Orchestrator, sandbox_id: str, count: int,
         finally:
             orch._forking -= 1
             # The children's records pin the layers; the fork manifest itself is not kept.
-            orch.repo.delete(cp.id)
+            await orch.drop_checkpoint(cp.id)
             orch.schedule_gc()
     out: list[SandboxRecord | Exception] = []
     for r in results:

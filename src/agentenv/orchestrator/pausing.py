@@ -115,7 +115,7 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
                 woken = await parking.wake(orch, live, cp, timeout)
             finally:
                 if live.record.state == State.RUNNING:  # (even if its guest did not answer)
-                    orch.repo.delete(cp.id)  # the record pins the layers now
+                    await orch.drop_checkpoint(cp.id)  # the record pins the layers now
                     orch.schedule_gc()
             if woken is not None:
                 orch._in_background(orch.checkpoints.prefetch(cp), f"reading the memory layer of {sandbox_id}")
@@ -152,7 +152,7 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
         await orch.store.put(live.record)
         orch._watch(live)
         # The record pins the layers now; the pause manifest is no longer needed.
-        orch.repo.delete(cp.id)
+        await orch.drop_checkpoint(cp.id)
         orch.schedule_gc()
         if started.silent is not None:
             # The guest ran on the sandbox's disk: back to the saved state, memory and disk

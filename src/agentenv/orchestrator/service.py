@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Collection, Coroutine
 from pathlib import Path
@@ -25,6 +26,7 @@ from agentenv.errors import (
     SandboxNotFound,
     SandboxStateError,
     SnapshotNotFound,
+    StorageError,
 )
 from agentenv.images.registry import RegistrySettings
 from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
@@ -369,7 +371,7 @@ class Orchestrator:
             await self.store.delete(sandbox_id)
             await remove_tree(Path(live.record.run_dir))
             if live.record.paused is not None:
-                self.repo.delete(live.record.paused.id)
+                await self.drop_checkpoint(live.record.paused.id)
         self.schedule_gc()
 
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
@@ -623,30 +625,57 @@ class Orchestrator:
         cp = self.repo.get(id_or_name)
         if cp.kind != "snapshot":
             raise SnapshotNotFound(id_or_name)
-        self.repo.delete(cp.id)
+        await self.drop_checkpoint(cp.id)
         await self.gc()
 
     # -- repository garbage collection ----------------------------------------------------
 
+    async def drop_checkpoint(self, cp_id: str) -> None:
+        """Delete a manifest under the repository lock, so that a gc in progress, which read
+        the sandboxes' references before a record took the layers over, still sees it."""
+        async with self.repo.lock:
+            await asyncio.to_thread(self.repo.delete, cp_id)
+
     def pins(self) -> set[str]:
         """Layers the sandboxes of this node need: their origins, paused states and the disk
-        chains under their overlays (read from the qcow2 headers)."""
+        chains under their overlays (read from the qcow2 headers). The overlay a VM writes to
+        is its machine's (a snapshot switches it before the record follows); if one that must
+        exist cannot be read, every disk layer is kept."""
         out: set[str] = set()
         for cp in self._starting:
             out |= cp.layer_names()
+        unreadable = []
         for live in list(self._live.values()):
             rec = live.record
             out |= rec.pins()
-            tops = [rec.disk_path] + ([rec.paused.disk_top] if rec.paused and rec.paused.disk_top else [])
-            for top in tops:
-                if top:
-                    out |= {p.name for p in backing_chain(Path(top)) if p.parent == self.repo.layers}
+            vm = live.vm
+            must = [str(vm.spec.disk)] if vm is not None else []
+            if rec.paused and rec.paused.disk_top:
+                must.append(rec.paused.disk_top)
+            for top in {*must, rec.disk_path}:
+                if not top:
+                    continue
+                if top in must and not os.path.exists(top):
+                    unreadable.append(f"{rec.id}: {top}")
+                out |= {p.name for p in backing_chain(Path(top)) if p.parent == self.repo.layers}
+        if unreadable:
+            log.warning("gc keeps every disk layer: overlays not found (%s)", ", ".join(unreadable))
+            out |= {p.name for p in self.repo.layers.glob("disk-*")}
         return out
 
     async def gc(self, staging_older_than: float = 600.0) -> list[str]:
+        """Delete the layers nothing needs. Under the repository lock, which every hand-off of
+        layers from a manifest to a sandbox record also takes to delete the manifest: the
+        references are read as of one moment."""
+        def collect() -> list[str]:
+            return self.repo.gc(self.pins(), staging_older_than)
+
         async with self.repo.lock:
-            pins = await asyncio.to_thread(self.pins)
-            removed = await asyncio.to_thread(self.repo.gc, pins, staging_older_than)
+            try:
+                removed = await asyncio.to_thread(collect)
+            except StorageError as exc:
+                log.error("repository gc skipped: %s", exc.message)
+                removed = []
         # A fork child's VM maps its fork's memory file while it runs, while it is parked, and
         # while it is being woken (a resume holds it outside ``live.machine`` until it answers).
         mapped = {str(live.vm.spec.mem_path) for live in self._live.values() if live.vm is not None}

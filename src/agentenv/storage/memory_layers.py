@@ -580,8 +580,13 @@ class _LayerReader:
             os.close(self.direct)
 
 
-def compact(chain: Sequence[Path], out: Path) -> LayerInfo:
-    """Merge a chain into one layer holding the newest version of every page."""
+def compact(chain: Sequence[Path], out: Path, digests: Sequence[str | None] = ()) -> LayerInfo:
+    """Merge a chain into one layer holding the newest version of every page. Each layer is
+    checked against its recorded digest first: the merged layer gets a checksum of its own,
+    which would otherwise vouch for a corrupt input. Raises CorruptLayer."""
+    for path, digest in zip(chain, digests):
+        if digest and not digest_matches(path, digest):
+            raise CorruptLayer(path)
     layers = [LayerFile(p) for p in chain]
     index = _Chain(layers)
     try:
@@ -637,8 +642,33 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+WHOLE = "w"  # prefix of a digest over every byte of a file (device states); see digest_matches
+
+
+def digest_matches(path: Path, digest: str) -> bool:
+    """Whether the layer at ``path`` has the recorded ``digest``: over the whole file when it
+    is a whole-file digest, else the memory-layer form of ``file_digest`` (which device states
+    were also recorded with before the whole-file form existed, and are still checked with)."""
+    if digest.startswith(WHOLE):
+        return whole_file_digest(path) == digest
+    return file_digest(path) == digest
+
+
+def whole_file_digest(path: Path) -> str:
+    """xxh3-128 of every byte of a file, prefixed ``WHOLE``: for layers that are not memory
+    layers (a device state has data in its first page, which ``file_digest`` skips)."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return WHOLE + h.hexdigest()
+
+
 def file_digest(path: Path) -> str:
-    """xxh3-128 of a file, as recorded for every layer (the repository verifies with it)."""
+    """xxh3-128 of a memory layer as ``capture`` computes it while writing: the pages and
+    runs table (from PAGE on), then the header; the header's padding is not part of it."""
     h = xxhash.xxh3_128()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)

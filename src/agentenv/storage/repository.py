@@ -25,19 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import filecmp
-import itertools
 import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from agentenv.errors import SnapshotNotFound, SnapshotUnusable, StorageError
-from agentenv.storage.memory_layers import file_digest, fsync_path
+from agentenv.storage.memory_layers import digest_matches, fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +134,13 @@ class SnapshotRepository:
         for d in (self.layers, self.manifests, self.staging):
             d.mkdir(parents=True, exist_ok=True)
         self.lock = asyncio.Lock()
-        self._names: dict[str, Checkpoint] = {}  # launchable checkpoints by name (see _named)
-        self._names_key: tuple[int, int] = (-1, -1)
-        self._write_ids = itertools.count(1)  # (next() on it is atomic: puts run in threads)
-        self._writes = 0  # the id of the last put or delete by this object
+        # The manifests as parsed, for lookups and listings that a node with thousands of them
+        # cannot afford to re-read on the event loop (see _index).
+        self._index_lock = threading.Lock()
+        self._index: dict[str, Checkpoint] | None = None
+        self._unreadable: tuple[str, ...] = ()  # manifests the index could not parse
+        self._index_mtime = -1
+        self._names: dict[str, Checkpoint] | None = None  # launchable checkpoints by name (see _named)
 
     # -- layers ---------------------------------------------------------------------------
 
@@ -189,7 +192,7 @@ class SnapshotRepository:
             if size != ref.size:
                 raise SnapshotUnusable(f"snapshot {cp.name or cp.id}: layer {ref.name} has {size} bytes, "
                                        f"expected {ref.size} (truncated or replaced)")
-            if ref.digest and ref.name not in memory and file_digest(p) != ref.digest:
+            if ref.digest and ref.name not in memory and not digest_matches(p, ref.digest):
                 raise SnapshotUnusable(f"snapshot {cp.name or cp.id}: layer {ref.name} fails its checksum "
                                        f"(corrupt); delete the snapshot")
 
@@ -205,8 +208,9 @@ class SnapshotRepository:
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
+        before = self._mtime()
         os.replace(tmp, self.manifests / f"{cp.id}.json")
-        self._writes = next(self._write_ids)
+        self._changed(before, lambda index: index.__setitem__(cp.id, cp))
         if durable:
             fsync_path(self.manifests)
 
@@ -239,20 +243,53 @@ class SnapshotRepository:
             raise SnapshotNotFound(id_or_name)
         return cp
 
+    def _mtime(self) -> int:
+        return self.manifests.stat().st_mtime_ns
+
+    def _index_now(self) -> dict[str, Checkpoint]:
+        """Every readable manifest by id. Kept in memory: this object's own puts and deletes
+        update it; it is read again from the directory when the directory's mtime is not the
+        one it was made at (another process's change: a node sharing the repository). Callers
+        do not mutate it (a new dict replaces it on every change)."""
+        mtime = self._mtime()  # taken first: a change while the files are read shows next time
+        with self._index_lock:
+            if self._index is not None and self._index_mtime == mtime:
+                return self._index
+        cps, unreadable = self._read_all()
+        index = {cp.id: cp for cp in cps}
+        with self._index_lock:
+            self._index, self._index_mtime, self._names = index, mtime, None
+            self._unreadable = unreadable
+        return index
+
+    def _changed(self, before: int, update: Callable[[dict[str, Checkpoint]], None]) -> None:
+        """After this object changed one manifest: apply the change to the index if it was
+        current until then; otherwise (another change came in between) drop it."""
+        after = self._mtime()
+        with self._index_lock:
+            if self._index is not None and self._index_mtime == before:
+                index = dict(self._index)
+                update(index)
+                self._index, self._index_mtime = index, after
+            else:
+                self._index = None
+            self._names = None
+
     def _named(self) -> dict[str, Checkpoint]:
-        """Launchable checkpoints by name, the newest for each. A create by name asks this
-        (on the event loop), and a node may keep thousands of manifests: they are read again
-        again after this repository's own puts and deletes, and when the directory's mtime
-        moved (another process's change: a node sharing the repository)."""
-        # Taken first: a change while the manifests are read shows at the next lookup.
-        key = (self._writes, self.manifests.stat().st_mtime_ns)
-        if key != self._names_key:
-            names: dict[str, Checkpoint] = {}
-            for cp in self.list():  # newest first
-                if cp.name and cp.kind in LAUNCHABLE:
-                    names.setdefault(cp.name, cp)
-            self._names, self._names_key = names, key
-        return self._names
+        """Launchable checkpoints by name, the newest for each (a create by name asks this, on
+        the event loop): from the index, without reading a file."""
+        index = self._index_now()
+        with self._index_lock:
+            if self._names is not None and index is self._index:
+                return self._names
+        names: dict[str, Checkpoint] = {}
+        for cp in sorted(index.values(), key=lambda c: c.created_at, reverse=True):
+            if cp.name and cp.kind in LAUNCHABLE:
+                names.setdefault(cp.name, cp)
+        with self._index_lock:
+            if index is self._index:
+                self._names = names
+        return names
 
     def exists(self, id_or_name: str) -> bool:
         try:
@@ -261,29 +298,45 @@ class SnapshotRepository:
         except SnapshotNotFound:
             return False
 
-    def list(self, kind: str | None = None) -> list[Checkpoint]:
-        out = []
+    def list(self, kind: str | None = None, strict: bool = False) -> list[Checkpoint]:
+        """The published checkpoints, newest first (from the index). An unreadable manifest is
+        left out, or with ``strict`` raises StorageError (the GC must not take its layers for
+        unreferenced)."""
+        cps = list(self._index_now().values())
+        if strict and (bad := self._unreadable):
+            raise StorageError(f"manifests {', '.join(bad)} in {self.manifests} are unreadable; nothing is "
+                               f"collected until they are repaired or removed")
+        return sorted((cp for cp in cps if kind is None or cp.kind == kind), key=lambda c: c.created_at,
+                      reverse=True)
+
+    def _read_all(self) -> tuple[list[Checkpoint], tuple[str, ...]]:
+        """Every manifest in the directory, parsed, and the names of those that are not."""
+        out, bad = [], []
         for p in self.manifests.glob("*.json"):
             try:
                 cp = Checkpoint.from_json(json.loads(p.read_text()))
-            except (OSError, ValueError, TypeError, KeyError):
-                log.warning("unreadable manifest %s skipped", p)
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                log.warning("unreadable manifest %s skipped (%r)", p, exc)
+                bad.append(p.name)
                 continue
-            if kind is None or cp.kind == kind:
-                out.append(cp)
-        return sorted(out, key=lambda c: c.created_at, reverse=True)
+            out.append(cp)
+        return out, tuple(bad)
 
     def delete(self, cp_id: str) -> None:
+        before = self._mtime()
         (self.manifests / f"{cp_id}.json").unlink(missing_ok=True)
-        self._writes = next(self._write_ids)
+        self._changed(before, lambda index: index.pop(cp_id, None))
 
     # -- garbage collection ---------------------------------------------------------------
 
     def gc(self, pins: Iterable[str] = (), staging_older_than: float = 0.0) -> list[str]:
         """Delete layers that no manifest and no pin references, and staging leftovers older
-        than ``staging_older_than`` seconds. Caller holds ``lock``."""
+        than ``staging_older_than`` seconds. Caller holds ``lock``. Raises StorageError, having
+        deleted nothing, if a manifest cannot be read."""
         keep = set(pins)
-        for cp in self.list():
+        for cp in self.list(strict=True):
             keep |= cp.layer_names()
         removed = []
         for p in self.layers.iterdir():
