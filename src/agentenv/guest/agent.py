@@ -34,12 +34,14 @@ import asyncio
 import base64
 import ctypes
 import datetime
+import errno
 import fcntl
 import hmac
 import json
 import os
 import random
 import re
+import resource
 import signal
 import socket
 import struct
@@ -239,8 +241,13 @@ class Agent:
                 raise ConnectError("unimplemented", f"{name} is not implemented")
             out = await self.unary[name](parse_json_object(body), CallContext(self.default_user, req.headers))
             await resp.send_json(200, out)
-        except ConnectError as exc:
-            await resp.send_json(CONNECT_STATUS.get(exc.code, 500), {"code": exc.code, "message": exc.message})
+        except (ConnectionError, asyncio.IncompleteReadError):
+            raise
+        except Exception as exc:  # every failure is a Connect error the SDKs can parse
+            err = connect_error_of(exc)
+            if err.code == "internal":
+                log(f"{name} failed: {traceback.format_exc()}")
+            await resp.send_json(CONNECT_STATUS.get(err.code, 500), {"code": err.code, "message": err.message})
 
     async def _client_stream(self, name: str, req: Request, resp: Response) -> None:
         """A client-streaming call: the request body is a stream of envelopes, read as they come;
@@ -433,6 +440,41 @@ def become_subreaper() -> None:
         log(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
 
 
+_ERRNO_CODES = {
+    errno.ENOENT: "not_found", errno.EEXIST: "already_exists", errno.EACCES: "permission_denied",
+    errno.EPERM: "permission_denied", errno.ENOTDIR: "failed_precondition", errno.EISDIR: "failed_precondition",
+    errno.ENOTEMPTY: "failed_precondition", errno.ENAMETOOLONG: "invalid_argument", errno.ELOOP: "invalid_argument",
+    errno.ENOSPC: "resource_exhausted", errno.EDQUOT: "resource_exhausted",
+}
+
+
+def connect_error_of(exc: Exception) -> ConnectError:
+    """The Connect error for a failure of a unary RPC handler: its own, a bad request (an HTTP
+    error, a value that does not parse: ``invalid_argument``), a file system error by errno,
+    else ``internal``."""
+    if isinstance(exc, ConnectError):
+        return exc
+    if isinstance(exc, HttpError):
+        return ConnectError("resource_exhausted" if exc.status == 413 else "invalid_argument", exc.message)
+    if isinstance(exc, OSError):
+        return ConnectError(_ERRNO_CODES.get(exc.errno or 0, "internal"), f"{exc.strerror or exc}: {exc.filename or ''}")
+    if isinstance(exc, (ValueError, TypeError)):  # incl. UnicodeError: a name the kernel cannot take
+        return ConnectError("invalid_argument", str(exc))
+    return ConnectError("internal", str(exc))
+
+
+def raise_fd_limit() -> None:
+    """Each connection, command and watcher holds descriptors; the guest's init leaves the
+    limit at 1024, which a burst of connections or commands could exhaust. Commands inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (OSError, ValueError) as exc:
+            log(f"cannot raise the file descriptor limit: {exc}")
+
+
 async def serve(host: str, port: int) -> None:
     agent = Agent()
     loop = asyncio.get_running_loop()
@@ -462,6 +504,7 @@ def main() -> None:
     set_tools_dir(args.tools)
     set_user_namespace(args.user_ns)
     become_subreaper()
+    raise_fd_limit()
     asyncio.run(serve(args.host, args.port))
 
 

@@ -242,10 +242,13 @@ class FilesService:
                             f"cannot write '{path}': {exc.strerror}") from None
         finally:
             if fd >= 0:
+                if not done:  # only the file this upload made: another upload may have replaced it
+                    victim = tmp if tmp is not None else real_path
+                    with contextlib.suppress(OSError):
+                        mine, there = os.fstat(fd), os.lstat(victim)
+                        if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+                            os.unlink(victim)
                 os.close(fd)
-            if not done and fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp if tmp is not None else real_path)
         item = {"path": path, "name": os.path.basename(path), "type": "file"}
         if metadata:
             item["metadata"] = metadata

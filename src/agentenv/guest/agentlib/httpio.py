@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import struct
 import urllib.parse
 from http import HTTPStatus
@@ -18,6 +19,8 @@ from .common import (
     parse_json_object,
 )
 
+_DIGITS = re.compile(r"[0-9]{1,18}")
+_HEX = re.compile(rb"[0-9a-fA-F]{1,15}")
 
 class Request:
     """One HTTP/1.1 request. The body is not read up front: handlers stream it with ``chunks()``."""
@@ -37,10 +40,10 @@ class Request:
         conn = headers.get("connection", "").lower()
         self.keep_alive = (version == "HTTP/1.1" and "close" not in conn) or "keep-alive" in conn
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        try:
-            self._remaining = 0 if self._chunked else int(headers.get("content-length") or 0)
-        except ValueError:
-            raise HttpError(400, "invalid Content-Length") from None
+        length = (headers.get("content-length") or "0").strip()
+        if not self._chunked and not _DIGITS.fullmatch(length):  # int() would take "-1": read to EOF
+            raise HttpError(400, "invalid Content-Length")
+        self._remaining = 0 if self._chunked else int(length)
         self.body_done = not self._chunked and self._remaining == 0
         self._expect_continue = headers.get("expect", "").lower() == "100-continue"
         self._body: AsyncIterator[bytes] | None = None
@@ -69,10 +72,10 @@ class Request:
         else:
             while True:
                 line = await self.reader.readline()
-                try:
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    raise HttpError(400, "malformed chunked body") from None
+                raw = line.split(b";", 1)[0].strip()
+                if not _HEX.fullmatch(raw):  # int(, 16) would take "-1" too
+                    raise HttpError(400, "malformed chunked body")
+                size = int(raw, 16)
                 if size == 0:
                     while (await self.reader.readline()).strip():  # skip trailers
                         pass

@@ -87,6 +87,8 @@ class Process:
         self._on_finish: Callable[[Process], None] | None = None
         self._timers: list[asyncio.TimerHandle] = []
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop only keeps weak ones
+        self._paused: set[int] = set()  # outputs not read while a slow client catches up
+        self._stdin_ready: asyncio.Future[asyncio.WriteTransport] | None = None
 
     def info(self) -> dict:
         info = {"config": self.config, "pid": self.pid}
@@ -119,15 +121,29 @@ class Process:
 
     @property
     def stdin_open(self) -> bool:
-        return self._stdin_fd is not None or (self.stdin is not None and not self.stdin.is_closing())
+        if self.stdin is not None:
+            return not self.stdin.is_closing()
+        return self._stdin_fd is not None or self._stdin_ready is not None
 
     async def input(self) -> asyncio.WriteTransport:
-        """The stdin (or PTY) transport, made on first use; check ``stdin_open`` first."""
-        if self.stdin is None:
+        """The stdin (or PTY) transport, made on first use; check ``stdin_open`` first. Inputs
+        that arrive while it is being made wait for the same one."""
+        if self.stdin is not None:
+            return self.stdin
+        if self._stdin_ready is None:
             fd, self._stdin_fd = self._stdin_fd, None
             assert fd is not None
-            self.stdin, _ = await self._loop.connect_write_pipe(asyncio.Protocol, os.fdopen(fd, "wb", buffering=0))
-        return self.stdin
+            self._stdin_ready = self._loop.create_future()
+            try:
+                transport, _ = await self._loop.connect_write_pipe(asyncio.Protocol, os.fdopen(fd, "wb", buffering=0))
+            except BaseException as exc:
+                self._stdin_ready.set_exception(ConnectError("failed_precondition", f"stdin: {exc}"))
+                self._stdin_ready.exception()  # retrieved: nobody else may be waiting
+                raise
+            self.stdin = transport
+            self._stdin_ready.set_result(transport)
+            return transport
+        return await asyncio.shield(self._stdin_ready)
 
     def close_stdin(self) -> None:
         if self.stdin is not None:
@@ -135,6 +151,9 @@ class Process:
         elif self._stdin_fd is not None:
             os.close(self._stdin_fd)
             self._stdin_fd = None
+        elif self._stdin_ready is not None and not self._stdin_ready.done():  # being made: close it then
+            self._stdin_ready.add_done_callback(
+                lambda f: f.result().close() if not f.cancelled() and f.exception() is None else None)
 
     def resize(self, cols: int, rows: int) -> None:
         if self.pty_master is None or self.end is not None or not any(fd == self.pty_master for fd, _ in self._outputs):
@@ -162,7 +181,16 @@ class Process:
             return
         self._status = status
         if self._outputs:
-            self._timers.append(self._loop.call_later(EXIT_GRACE, self._complete))
+            self._timers.append(self._loop.call_later(EXIT_GRACE, self._grace_over))
+        else:
+            self._complete()
+
+    def _grace_over(self) -> None:
+        """EXIT_GRACE after the exit with outputs still open: end now, unless reading them is
+        paused for a slow client; then what the process wrote before it exited is still in the
+        pipe, and the grace counts again once the client has caught up."""
+        if self._paused:
+            self._timers.append(self._loop.call_later(EXIT_GRACE, self._grace_over))
         else:
             self._complete()
 
@@ -193,6 +221,7 @@ class Process:
             full = self._deliver({"data": {kind: base64.b64encode(data).decode()}})
             if full:  # a slow client: stop reading until it has room (back-pressure)
                 self._loop.remove_reader(fd)
+                self._paused.add(fd)
                 self._spawn_task(self._deliver_later(full, fd, kind))
 
     def _reap_now(self) -> None:
@@ -225,6 +254,7 @@ class Process:
             await sub.put(event)
             sub.backlog -= 1
         if fd is not None:
+            self._paused.discard(fd)
             self._loop.add_reader(fd, self._readable, fd, kind)
         elif self._on_finish is not None:
             self._finished()
@@ -369,8 +399,13 @@ class ProcessManager:
         """Start a process; the returned subscriber is attached before any output is read."""
         cfg = msg.get("process") or {}
         cmd, args, envs = cfg.get("cmd"), [str(a) for a in cfg.get("args") or []], cfg.get("envs") or {}
-        if not cmd or not isinstance(envs, dict):
+        if not cmd or not isinstance(cmd, str) or not isinstance(envs, dict):
             raise ConnectError("invalid_argument", "process.cmd is required")
+        try:  # what the kernel cannot take (a lone surrogate from JSON's \ud800) fails here, not mid-spawn
+            for s in (cmd, *args, *map(str, envs), *map(str, envs.values())):
+                os.fsencode(s)
+        except UnicodeError:
+            raise ConnectError("invalid_argument", "process cmd, args and envs must be valid Unicode text") from None
         user = ctx.user()
         if cfg.get("cwd"):
             cwd = self.agent.resolve(cfg["cwd"], user)
@@ -403,6 +438,9 @@ class ProcessManager:
         except OSError as exc:
             stdio.close_all()
             raise ConnectError("internal", f"error starting process '{cmd}': {exc}") from None
+        except BaseException:
+            stdio.close_all()
+            raise
         stdio.close_child_ends()
         config = {k: v for k, v in (("cmd", cmd), ("args", args), ("envs", envs),
                                       ("cwd", cfg.get("cwd"))) if v}
@@ -457,9 +495,12 @@ class ProcessManager:
 
     async def rpc_start(self, msg: dict, ctx: CallContext) -> AsyncIterator[dict]:
         proc, sub = await self.spawn(msg, ctx)
-        yield {"event": {"start": {"pid": proc.pid}}}
-        async for event in self.follow(proc, sub, ctx, None):
-            yield event
+        try:  # a client gone at the first event closes us there: its queue must not stay subscribed
+            yield {"event": {"start": {"pid": proc.pid}}}
+            async for event in self.follow(proc, sub, ctx, None):
+                yield event
+        finally:
+            proc.unsubscribe(sub)
         if proc.deadline_exceeded:
             raise ConnectError("deadline_exceeded", "process killed: timeout (Connect-Timeout-Ms) elapsed")
 
@@ -467,9 +508,12 @@ class ProcessManager:
         proc = self.find(msg.get("process"), finished_ok=True)
         sub = proc.subscribe()
         deadline = time.monotonic() + ctx.timeout if ctx.timeout is not None else None
-        yield {"event": {"start": {"pid": proc.pid}}}
-        async for event in self.follow(proc, sub, ctx, deadline):
-            yield event
+        try:
+            yield {"event": {"start": {"pid": proc.pid}}}
+            async for event in self.follow(proc, sub, ctx, deadline):
+                yield event
+        finally:
+            proc.unsubscribe(sub)
 
     async def rpc_list(self, msg: dict, ctx: CallContext) -> dict:
         return {"processes": [p.info() for p in self.running.values()]} if self.running else {}
@@ -497,8 +541,16 @@ class ProcessManager:
         return stdin
 
     async def rpc_send_input(self, msg: dict, ctx: CallContext) -> dict:
-        await self._write_input(self.find(msg.get("process")), msg.get("input"))
+        stdin = await self._write_input(self.find(msg.get("process")), msg.get("input"))
+        await self._drained(stdin)
         return {}
+
+    @staticmethod
+    async def _drained(stdin: asyncio.WriteTransport) -> None:
+        """Back-pressure: answer once at most STDIN_BUFFER is queued for the process, so input
+        to a process that does not read waits with the caller instead of growing our memory."""
+        while not stdin.is_closing() and stdin.get_write_buffer_size() > STDIN_BUFFER:
+            await asyncio.sleep(0.005)
 
     async def rpc_stream_input(self, messages: AsyncIterator[dict], ctx: CallContext) -> dict:
         """Client stream: ``start{process}`` first, then ``data{input}`` messages written in order
@@ -514,8 +566,7 @@ class ProcessManager:
                 if proc is None:
                     raise ConnectError("invalid_argument", "the first message must be start")
                 stdin = await self._write_input(proc, (msg.get("data") or {}).get("input"))
-                while not stdin.is_closing() and stdin.get_write_buffer_size() > STDIN_BUFFER:
-                    await asyncio.sleep(0.005)
+                await self._drained(stdin)
             elif "keepalive" not in msg:
                 raise ConnectError("invalid_argument", f"unknown StreamInput message: {sorted(msg)}")
         if proc is None:

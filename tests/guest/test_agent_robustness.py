@@ -1,0 +1,222 @@
+"""The guest agent under the clients thousands of rollouts bring: ones that vanish mid-call,
+fall behind, send what the kernel cannot take, race each other. Each test failed on the agent
+before its fix (a read-only review reproduced them against the real agent, as here)."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import socket
+import struct
+import threading
+import time
+import urllib.parse
+
+from .conftest import RunningAgent
+from .test_agent import envelope, parse_envelopes
+
+CONNECT_JSON = {"Content-Type": "application/connect+json"}
+
+
+def _port(agent: RunningAgent) -> int:
+    return int(urllib.parse.urlsplit(agent.url).port or 0)
+
+
+def _unary(agent: RunningAgent, name: str, msg: object) -> tuple[int, dict]:
+    c = http.client.HTTPConnection("127.0.0.1", _port(agent), timeout=60)
+    try:
+        c.request("POST", "/" + name, json.dumps(msg).encode(), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, json.loads(r.read() or b"{}")
+    finally:
+        c.close()
+
+
+def _start(agent: RunningAgent, cmd: str, *args: str, **extra: object) -> tuple[int, list[tuple[int, dict]]]:
+    c = http.client.HTTPConnection("127.0.0.1", _port(agent), timeout=120)
+    try:
+        body = envelope({"process": {"cmd": cmd, "args": list(args)}, **extra})
+        c.request("POST", "/process.Process/Start", body, CONNECT_JSON)
+        r = c.getresponse()
+        return r.status, parse_envelopes(r.read())
+    finally:
+        c.close()
+
+
+def _listed(agent: RunningAgent) -> list[str]:
+    status, out = _unary(agent, "process.Process/List", {})
+    assert status == 200
+    return [p.get("tag", "") for p in out.get("processes", [])]
+
+
+def test_a_client_reset_right_after_start_does_not_leave_its_command_stuck(agent: RunningAgent) -> None:
+    """The command writes more than a pipe holds; its client resets the connection around the
+    time the start event is written (many arguments widen that window: the spawn builds them
+    first). Every command must still run to its end and leave the list."""
+    port = _port(agent)
+    for i, delay in enumerate((0.0, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15)):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        s.connect(("127.0.0.1", port))
+        body = envelope({"process": {"cmd": "/bin/sh", "args": ["-c", "seq 1 3000000", "sh", *["x"] * 30000]},
+                         "stdin": False, "tag": f"rst{i}"})
+        s.sendall(b"POST /process.Process/Start HTTP/1.1\r\nHost: x\r\nContent-Type: application/connect+json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(delay)
+        s.close()
+    deadline = time.monotonic() + 60
+    while any(t.startswith("rst") for t in _listed(agent)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(t.startswith("rst") for t in _listed(agent)), "a command stayed blocked on its output"
+
+
+def test_a_start_the_kernel_cannot_take_is_invalid_and_leaks_nothing(agent: RunningAgent) -> None:
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{agent.pid}/fd"))
+
+    before = fds()
+    for _ in range(40):
+        status, frames = _start(agent, "/bin/echo", "\ud800")  # a lone surrogate: no file name, no argv
+        assert status == 200
+        assert frames[-1][1]["error"]["code"] == "invalid_argument", frames
+    assert fds() <= before + 2  # each failed Start kept 6 descriptors before
+    status, frames = _start(agent, "/bin/echo", "still fine")
+    data = b"".join(base64.b64decode(f[1]["event"]["data"]["stdout"]) for f in frames
+                    if "event" in f[1] and "data" in f[1]["event"])
+    assert data == b"still fine\n"
+
+
+def test_output_written_before_exit_reaches_a_client_that_fell_behind(agent: RunningAgent) -> None:
+    """The client stops reading right after the start event, for longer than the agent's exit
+    grace, then reads everything: every byte the command wrote before it exited must arrive
+    before the end (the tail was dropped, and the end still said success)."""
+    nbytes = 5_400_000  # more than the agent's queue and the socket buffers hold, less than with the pipe
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    s.settimeout(60)
+    s.connect(("127.0.0.1", _port(agent)))
+    body = envelope({"process": {"cmd": "/bin/sh", "args": ["-c", f"head -c {nbytes} /dev/zero; printf TAIL"]},
+                     "stdin": False})
+    s.sendall(b"POST /process.Process/Start HTTP/1.1\r\nHost: x\r\nContent-Type: application/connect+json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    raw = bytearray(s.recv(200))
+    time.sleep(3.0)  # the command has long exited
+    while not (raw.endswith(b"0\r\n\r\n") and b'"end"' in raw[-4096:]):
+        chunk = s.recv(1 << 20)
+        if not chunk:
+            break
+        raw += chunk
+    s.close()
+    _, _, rest = bytes(raw).partition(b"\r\n\r\n")
+    data, i = bytearray(), 0
+    while True:  # de-chunk
+        j = rest.index(b"\r\n", i)
+        n = int(rest[i:j], 16)
+        if n == 0:
+            break
+        data += rest[j + 2:j + 2 + n]
+        i = j + 2 + n + 2
+    frames = parse_envelopes(bytes(data))
+    out = b"".join(base64.b64decode(f[1]["event"]["data"]["stdout"]) for f in frames
+                   if "event" in f[1] and "data" in f[1]["event"])
+    assert (len(out), out[-4:]) == (nbytes + 4, b"TAIL")
+    assert any("end" in f[1].get("event", {}) for f in frames)
+
+
+def test_send_input_to_a_process_that_does_not_read_waits_instead_of_buffering(agent: RunningAgent) -> None:
+    """Input piled up in the agent's memory for a process that never reads it (the guest's
+    agent is then OOM-killed with every process's state); now the caller waits."""
+    started = threading.Thread(target=_start, args=(agent, "/bin/sh", "-c", "exec sleep 60"),
+                               kwargs={"tag": "noread", "stdin": True}, daemon=True)
+    started.start()
+    deadline = time.monotonic() + 10
+    while "noread" not in _listed(agent) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    answers: list[int] = []
+    payload = base64.b64encode(b"x" * (1 << 20)).decode()
+    sender = threading.Thread(target=lambda: answers.append(_unary(
+        agent, "process.Process/SendInput", {"process": {"tag": "noread"}, "input": {"stdin": payload}})[0]),
+        daemon=True)
+    sender.start()
+    sender.join(2.0)
+    assert sender.is_alive() and answers == [], "1 MiB for a process that reads nothing was taken at once"
+    assert _unary(agent, "process.Process/SendSignal", {"process": {"tag": "noread"}, "signal": "SIGNAL_SIGKILL"})[0] == 200
+    sender.join(15)
+    assert answers == [200]  # the process ended: its stdin closed, the call answers
+    started.join(15)
+
+
+def test_a_negative_content_length_or_chunk_size_is_refused(agent: RunningAgent) -> None:
+    port = _port(agent)
+    for head in (b"Content-Length: -1\r\n", b"Transfer-Encoding: chunked\r\n"):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        body = b"-1\r\n" if b"chunked" in head else b""
+        s.sendall(b"POST /files?path=/tmp/x HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n" + body)
+        answer = s.recv(4096)
+        s.close()
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
+
+
+def test_two_first_inputs_at_once_both_reach_the_process(agent: RunningAgent) -> None:
+    """Two SendInput calls that arrive together as a process's first input (the last byte of
+    each request sent at the same moment): both are taken (one was refused, "stdin of the
+    process is not open", while the other made the pipe's transport)."""
+    port = _port(agent)
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        body = envelope({"process": {"cmd": "/bin/cat"}, "stdin": True})
+        s.sendall(b"POST /process.Process/Start HTTP/1.1\r\nHost: x\r\nContent-Type: application/connect+json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        pid = int(s.recv(4096).split(b'"pid":')[1].split(b"}")[0])
+        msg = json.dumps({"process": {"pid": pid}, "input": {"stdin": base64.b64encode(b"x\n").decode()}}).encode()
+        req = (b"POST /process.Process/SendInput HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(msg) + msg)
+        c1 = socket.create_connection(("127.0.0.1", port), timeout=30)
+        c2 = socket.create_connection(("127.0.0.1", port), timeout=30)
+        c1.sendall(req[:-1])
+        c2.sendall(req[:-1])
+        c1.sendall(req[-1:])
+        c2.sendall(req[-1:])
+        answers = [c.recv(4096).split(b"\r\n")[0] for c in (c1, c2)]
+        _unary(agent, "process.Process/SendSignal", {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"})
+        for c in (s, c1, c2):
+            c.close()
+        assert answers == [b"HTTP/1.1 200 OK"] * 2, answers
+
+
+def test_unary_failures_are_connect_errors(agent: RunningAgent, tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    cases = [
+        ("filesystem.Filesystem/ListDir", {"path": str(tmp_path), "depth": "x"}, "invalid_argument"),
+        ("filesystem.Filesystem/MakeDir", {"path": str(tmp_path / "file" / "sub")}, None),
+        ("filesystem.Filesystem/Stat", {"path": "\ud800"}, None),
+    ]
+    for name, msg, code in cases:
+        status, out = _unary(agent, name, msg)
+        assert isinstance(out.get("code"), str) and out["code"] != "internal", (name, status, out)
+        if code:
+            assert out["code"] == code
+
+
+def test_a_failed_upload_leaves_another_uploads_file_alone(agent: RunningAgent, tmp_path) -> None:
+    """Upload A creates a new file and stalls; upload B of the same path completes (it replaces
+    A's file); then A's client goes away. A used to delete the path, i.e. B's file."""
+    target = tmp_path / "shared.txt"
+    port = _port(agent)
+    a = socket.create_connection(("127.0.0.1", port), timeout=30)
+    a.sendall(b"POST /files?path=" + urllib.parse.quote(str(target)).encode() + b" HTTP/1.1\r\nHost: x\r\n"
+              b"Content-Type: application/octet-stream\r\nContent-Length: 1000\r\n\r\n" + b"a" * 10)
+    deadline = time.monotonic() + 10
+    while not target.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert target.exists()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", "/files?path=" + urllib.parse.quote(str(target)), b"from B",
+              {"Content-Type": "application/octet-stream"})
+    assert c.getresponse().status == 200
+    c.close()
+    a.close()  # A's upload fails now
+    time.sleep(1.0)
+    assert target.read_bytes() == b"from B"
