@@ -220,3 +220,18 @@ def test_a_failed_upload_leaves_another_uploads_file_alone(agent: RunningAgent, 
     a.close()  # A's upload fails now
     time.sleep(1.0)
     assert target.read_bytes() == b"from B"
+
+
+def test_client_connections_are_probed_with_tcp_keepalive(agent: RunningAgent) -> None:
+    """A peer that vanishes without a reset is found out by TCP keepalive (the kernel's timer
+    on the agent's side of the connection), not after the default of over two hours."""
+    import subprocess
+
+    port = _port(agent)
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert s.recv(4096).startswith(b"HTTP/1.1 204")
+    out = subprocess.run(["ss", "-tnoH", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    s.close()
+    assert "keepalive" in out, out

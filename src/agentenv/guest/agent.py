@@ -394,6 +394,7 @@ class Agent:
 
     async def handle_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Serve keep-alive requests on one connection until it closes or becomes unusable."""
+        keep_probing(writer)
         try:
             while True:
                 try:
@@ -461,6 +462,22 @@ def connect_error_of(exc: Exception) -> ConnectError:
     if isinstance(exc, (ValueError, TypeError)):  # incl. UnicodeError: a name the kernel cannot take
         return ConnectError("invalid_argument", str(exc))
     return ConnectError("internal", str(exc))
+
+
+def keep_probing(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive on a client connection: a peer that vanished without a reset (its host or
+    VM gone) is noticed after about 90 s, and a command streaming to it stops waiting for it,
+    instead of the kernel's default of over two hours."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 60)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    except OSError:
+        pass
 
 
 def raise_fd_limit() -> None:

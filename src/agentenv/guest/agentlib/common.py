@@ -238,7 +238,8 @@ class CallContext:
             self.keepalive = float(headers.get("keepalive-ping-interval") or DEFAULT_KEEPALIVE)
         except ValueError:
             raise ConnectError("invalid_argument", "invalid Connect-Timeout-Ms or Keepalive-Ping-Interval") from None
-        self.keepalive = self.keepalive if self.keepalive > 0 else DEFAULT_KEEPALIVE
+        # At most ten keepalives a second: a tiny interval would have the stream spin.
+        self.keepalive = max(self.keepalive, 0.1) if self.keepalive > 0 else DEFAULT_KEEPALIVE
 
     def user(self) -> User:
         """The user from ``Authorization: Basic base64("<user>:")``, else the default user."""
