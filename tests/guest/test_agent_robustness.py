@@ -235,3 +235,36 @@ def test_client_connections_are_probed_with_tcp_keepalive(agent: RunningAgent) -
                          capture_output=True, text=True, check=True).stdout
     s.close()
     assert "keepalive" in out, out
+
+
+def test_the_end_is_not_held_off_forever_by_a_grandchild_that_keeps_writing(agent: RunningAgent) -> None:
+    """The command exits while a background child keeps its stdout full, and the client reads
+    slowly (so reading is mostly paused): the end still comes, within the drain bound."""
+    import subprocess
+
+    marker = "aenv-noisy-grandchild"
+    writer = "import sys\nwhile True: sys.stdout.write('y' * 65536)"
+    script = f"python3 -c \"{writer}\" {marker} & sleep 0.1; exit 0"
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    s.settimeout(60)
+    s.connect(("127.0.0.1", _port(agent)))
+    body = envelope({"process": {"cmd": "/bin/sh", "args": ["-c", script]}, "stdin": False})
+    s.sendall(b"POST /process.Process/Start HTTP/1.1\r\nHost: x\r\nContent-Type: application/connect+json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    t0 = time.monotonic()
+    tail = b""
+    try:
+        while time.monotonic() - t0 < 40:
+            chunk = s.recv(64 * 1024)
+            if not chunk:
+                break
+            tail = (tail + chunk)[-8192:]
+            if b'"end"' in tail:
+                break
+            time.sleep(0.01)  # about 6 MB/s: slower than the writer
+        elapsed = time.monotonic() - t0
+    finally:
+        s.close()
+        subprocess.run(["pkill", "-f", marker], check=False)
+    assert b'"end"' in tail and elapsed < 25, elapsed

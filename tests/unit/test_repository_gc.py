@@ -171,3 +171,45 @@ def test_a_device_state_is_checked_whole(tmp_path: Path) -> None:
     raw[100] ^= 0xFF  # inside the first page, which a memory layer's digest leaves out
     p.write_bytes(bytes(raw))
     assert not ml.digest_matches(p, digest)
+
+
+def test_a_rebuild_of_the_index_never_hides_a_manifest_written_meanwhile(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listing rebuilds the index in one thread while a put lands in another, and the
+    directory's mtime does not move (a coarse clock): the rebuild must not install its older
+    read over the put, or the GC takes the new manifest's layers for unreferenced."""
+    import threading
+
+    repo = SnapshotRepository(tmp_path / "repo")
+    monkeypatch.setattr(repo, "_mtime", lambda: 42)  # the clock did not tick
+    real_read = repo._read_all
+    reading, put_done = threading.Event(), threading.Event()
+
+    def slow_read():  # type: ignore[no-untyped-def]
+        out = real_read()
+        reading.set()
+        put_done.wait(10)
+        return out
+
+    monkeypatch.setattr(repo, "_read_all", slow_read)
+    lister = threading.Thread(target=repo.list)
+    lister.start()
+    assert reading.wait(10)
+    monkeypatch.setattr(repo, "_read_all", real_read)
+    ref = _layer(repo, "mem-" + "c" * 32)
+    repo.put(_checkpoint("new", "snapshot", memory=(ref,)))
+    put_done.set()
+    lister.join(10)
+    assert [cp.id for cp in repo.list()] == ["new"]
+    assert repo.gc() == [] and repo.layer_path(ref.name).exists()
+
+
+def test_an_unreadable_manifest_deleted_by_this_node_no_longer_stops_the_gc(tmp_path: Path) -> None:
+    repo = SnapshotRepository(tmp_path / "repo")
+    assert repo.list() == []
+    time.sleep(0.05)
+    (repo.manifests / "bad.json").write_text("{truncated")  # a pause manifest cut by a host crash
+    with pytest.raises(Exception, match="unreadable"):
+        repo.gc()
+    repo.delete("bad")  # its sandbox is killed
+    assert repo.gc() == []

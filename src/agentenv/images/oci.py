@@ -320,10 +320,12 @@ async def _tree_mib(tree: Path) -> float:
 BOMB_FACTOR = 2  # layers that claim more than this times the disk are refused before unpacking
 
 
-def _expansion(layout: Path, manifest: dict[str, Any]) -> tuple[int, int, list[str]]:
+def _expansion(layout: Path, manifest: dict[str, Any], max_bytes: int,
+               max_entries: int) -> tuple[int, int, list[str]]:
     """(bytes, entries) the layers' tar streams declare, summed over all layers (an upper bound
-    of the tree: later layers may overwrite or delete), and the media types not scanned.
-    Sparse files count with their full size, as umoci writes them. Blocking: call in a thread."""
+    of the tree: later layers may overwrite or delete), and the media types not scanned; it
+    stops as soon as either passes its maximum. Sparse files count with their full size, as
+    umoci writes them. Blocking: call in a thread."""
     total = entries = 0
     skipped = []
     for desc in manifest["layers"]:
@@ -337,6 +339,9 @@ def _expansion(layout: Path, manifest: dict[str, Any]) -> tuple[int, int, list[s
                 for member in t:
                     entries += 1
                     total += max(member.size, 0)
+                    t.members.clear()  # tarfile keeps every member read: millions of headers are GiBs
+                    if total > max_bytes or entries > max_entries:
+                        return total, entries, skipped
         except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
             # What was read counts. Tar writers differ (umoci's own layers end without the
             # last padding, which Python's reader calls truncated); umoci judges the rest.
@@ -354,8 +359,9 @@ async def to_ext4(image: PulledImage, out: Path, *, size_mb: int, add_user: bool
     manifest, _ = await asyncio.to_thread(read_layout, image.layout, verify_layers=True)
     # Before anything is written: layers that declare far more than the disk holds (a
     # compression or sparse-file bomb of a few KiB can claim GiBs) would fill the host's disk.
-    declared, entries, skipped = await asyncio.to_thread(_expansion, image.layout, manifest)
-    if declared > BOMB_FACTOR * size_mb << 20 or entries > BOMB_FACTOR * (size_mb << 20) // 4096:
+    max_bytes, max_entries = BOMB_FACTOR * size_mb << 20, BOMB_FACTOR * (size_mb << 20) // 4096
+    declared, entries, skipped = await asyncio.to_thread(_expansion, image.layout, manifest, max_bytes, max_entries)
+    if declared > max_bytes or entries > max_entries:
         raise ImageTooLarge(f"image {image.ref} declares {declared >> 20} MiB in {entries} files across its layers, "
                             f"far more than the {size_mb} MiB disk; ask for a larger disk")
     if skipped:

@@ -191,6 +191,10 @@ class Checkpointer:
             except ml.CorruptLayer as exc:
                 # The VM's RAM is whole: every page restored from the chain is a private page
                 # of its mapping, so all its private pages, compared with no chain, are its state.
+                # Not for a fork child: it maps a memory file that already holds the chain's
+                # pages, which are then not private; the capture fails and the VM runs on.
+                if machine.spec.mem_path != Path(_base(rec.base_dir).mem_file):
+                    raise
                 log.error("%s: %s; its whole memory is saved as one layer instead", rec.id, exc.message)
                 full_tmp = self.repo.staging_path("mem")
                 undo.add("full", lambda: asyncio.to_thread(full_tmp.unlink, True))

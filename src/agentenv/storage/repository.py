@@ -140,6 +140,7 @@ class SnapshotRepository:
         self._index: dict[str, Checkpoint] | None = None
         self._unreadable: tuple[str, ...] = ()  # manifests the index could not parse
         self._index_mtime = -1
+        self._generation = 0  # bumped by every change this object makes (see _index_now)
         self._names: dict[str, Checkpoint] | None = None  # launchable checkpoints by name (see _named)
 
     # -- layers ---------------------------------------------------------------------------
@@ -210,7 +211,7 @@ class SnapshotRepository:
                 os.fsync(f.fileno())
         before = self._mtime()
         os.replace(tmp, self.manifests / f"{cp.id}.json")
-        self._changed(before, lambda index: index.__setitem__(cp.id, cp))
+        self._changed(before, cp.id, lambda index: index.__setitem__(cp.id, cp))
         if durable:
             fsync_path(self.manifests)
 
@@ -255,18 +256,25 @@ class SnapshotRepository:
         with self._index_lock:
             if self._index is not None and self._index_mtime == mtime:
                 return self._index
-        cps, unreadable = self._read_all()
+            generation = self._generation
+        cps, unreadable, transient = self._read_all()
         index = {cp.id: cp for cp in cps}
         with self._index_lock:
-            self._index, self._index_mtime, self._names = index, mtime, None
+            # Kept only if no change of ours came in meanwhile (its mtime may not have moved:
+            # a coarse clock) and the read had no passing failure (EMFILE, EIO).
+            if generation == self._generation and not transient:
+                self._index, self._index_mtime, self._names = index, mtime, None
             self._unreadable = unreadable
         return index
 
-    def _changed(self, before: int, update: Callable[[dict[str, Checkpoint]], None]) -> None:
-        """After this object changed one manifest: apply the change to the index if it was
-        current until then; otherwise (another change came in between) drop it."""
+    def _changed(self, before: int, cp_id: str, update: Callable[[dict[str, Checkpoint]], None]) -> None:
+        """After this object changed manifest ``cp_id``: apply the change to the index if it was
+        current until then; otherwise (another change came in between) drop it. The manifest
+        is no longer an unreadable one either way (replaced or deleted)."""
         after = self._mtime()
         with self._index_lock:
+            self._generation += 1
+            self._unreadable = tuple(n for n in self._unreadable if n != f"{cp_id}.json")
             if self._index is not None and self._index_mtime == before:
                 index = dict(self._index)
                 update(index)
@@ -309,9 +317,10 @@ class SnapshotRepository:
         return sorted((cp for cp in cps if kind is None or cp.kind == kind), key=lambda c: c.created_at,
                       reverse=True)
 
-    def _read_all(self) -> tuple[list[Checkpoint], tuple[str, ...]]:
-        """Every manifest in the directory, parsed, and the names of those that are not."""
-        out, bad = [], []
+    def _read_all(self) -> tuple[list[Checkpoint], tuple[str, ...], bool]:
+        """Every manifest in the directory, parsed; the names of those that are not; whether a
+        read failed for a passing reason (not the file's content)."""
+        out, bad, transient = [], [], False
         for p in self.manifests.glob("*.json"):
             try:
                 cp = Checkpoint.from_json(json.loads(p.read_text()))
@@ -320,14 +329,15 @@ class SnapshotRepository:
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 log.warning("unreadable manifest %s skipped (%r)", p, exc)
                 bad.append(p.name)
+                transient = transient or isinstance(exc, OSError)
                 continue
             out.append(cp)
-        return out, tuple(bad)
+        return out, tuple(bad), transient
 
     def delete(self, cp_id: str) -> None:
         before = self._mtime()
         (self.manifests / f"{cp_id}.json").unlink(missing_ok=True)
-        self._changed(before, lambda index: index.pop(cp_id, None))
+        self._changed(before, cp_id, lambda index: index.pop(cp_id, None))
 
     # -- garbage collection ---------------------------------------------------------------
 

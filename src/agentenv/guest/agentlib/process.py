@@ -40,6 +40,7 @@ from .common import (
 from .fsutil import chown_to
 
 STDIN_BUFFER = 256 * 1024  # StreamInput waits while more than this is queued for the process
+EXIT_DRAIN_MAX = 10.0  # after an exit, how long the end waits for a slow client to catch up
 
 
 class Subscriber:
@@ -88,6 +89,7 @@ class Process:
         self._timers: list[asyncio.TimerHandle] = []
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop only keeps weak ones
         self._paused: set[int] = set()  # outputs not read while a slow client catches up
+        self._drain_until = 0.0
         self._stdin_ready: asyncio.Future[asyncio.WriteTransport] | None = None
 
     def info(self) -> dict:
@@ -181,6 +183,7 @@ class Process:
             return
         self._status = status
         if self._outputs:
+            self._drain_until = time.monotonic() + EXIT_DRAIN_MAX
             self._timers.append(self._loop.call_later(EXIT_GRACE, self._grace_over))
         else:
             self._complete()
@@ -188,8 +191,10 @@ class Process:
     def _grace_over(self) -> None:
         """EXIT_GRACE after the exit with outputs still open: end now, unless reading them is
         paused for a slow client; then what the process wrote before it exited is still in the
-        pipe, and the grace counts again once the client has caught up."""
-        if self._paused:
+        pipe, and the grace counts again once the client has caught up -- for at most
+        EXIT_DRAIN_MAX: a background grandchild may keep the pipe full forever, and a client
+        may stop reading without going away."""
+        if self._paused and time.monotonic() < self._drain_until:
             self._timers.append(self._loop.call_later(EXIT_GRACE, self._grace_over))
         else:
             self._complete()
