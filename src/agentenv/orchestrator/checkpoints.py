@@ -87,7 +87,6 @@ class Checkpointer:
         undo = Cleanup(f"checkpoint of {rec.id}")
         disk_top = rec.disk_path
         completed = False
-        t0 = time.perf_counter()
         try:
             async with self.repo.lock:  # first: the guest runs on while another capture or a gc holds it
                 t0 = time.perf_counter()

@@ -211,7 +211,6 @@ class SandboxProxy:
                                 "token in the e2b-traffic-access-token header"})
         await self._auto_resume(sandbox_id)
         try:
-            rec = self.orch.get(sandbox_id)
             addr = self.orch.guest_address(sandbox_id)
         except (NotFound, SandboxStateError):
             raise not_found(sandbox_id) from None

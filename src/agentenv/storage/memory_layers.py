@@ -658,24 +658,26 @@ def whole_file_digest(path: Path) -> str:
     """xxh3-128 of every byte of a file, prefixed ``WHOLE``: for layers that are not memory
     layers (a device state has data in its first page, which ``file_digest`` skips)."""
     h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        _hash_rest(f, h)
+    return WHOLE + h.hexdigest()
+
+
+def _hash_rest(f: BinaryIO, h: xxhash.xxh3_128) -> None:
+    """Feed ``h`` the file from its current position to its end, a chunk at a time."""
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return WHOLE + h.hexdigest()
+    while n := f.readinto(buf):
+        h.update(view[:n])
 
 
 def file_digest(path: Path) -> str:
     """xxh3-128 of a memory layer as ``capture`` computes it while writing: the pages and
     runs table (from PAGE on), then the header; the header's padding is not part of it."""
     h = xxhash.xxh3_128()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
     with open(path, "rb") as f:
         f.seek(PAGE)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        _hash_rest(f, h)
         f.seek(0)
         h.update(f.read(_HEADER.size))
     return h.hexdigest()
