@@ -53,7 +53,7 @@ def agent(tmp_path: Path, tools_dir: Path) -> Iterator[RunningAgent]:
     run_dir = tmp_path / "run-e2b"
     log = tmp_path / "agent.log"
     env = {**os.environ, "AENV_AGENT_RUN_DIR": str(run_dir), "AENV_AGENT_NO_CLOCK": "1",
-           "AENV_AGENT_STATE": str(tmp_path / "agent-state.json")}
+           "AENV_AGENT_STATE": str(tmp_path / "agent-state.json"), "AENV_AGENT_HEAD_TIMEOUT": "3"}
     with open(log, "wb") as log_file:
         # The guest runs Debian's system python3; use the same kind of interpreter, not the venv.
         python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable

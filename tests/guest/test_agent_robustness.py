@@ -268,3 +268,113 @@ def test_the_end_is_not_held_off_forever_by_a_grandchild_that_keeps_writing(agen
         s.close()
         subprocess.run(["pkill", "-f", marker], check=False)
     assert b'"end"' in tail and elapsed < 25, elapsed
+
+
+def test_a_request_head_that_never_completes_is_answered_408_and_closed(agent: RunningAgent) -> None:
+    """A client that starts a request and stops (or trickles it) held the connection for the
+    640 s keep-alive timeout; now the head has HEAD_TIMEOUT (3 s in these tests, 60 s in a
+    sandbox) from its first byte. A connection that sends nothing stays open for keep-alive."""
+    port = _port(agent)
+    idle = socket.create_connection(("127.0.0.1", port), timeout=30)
+    partial = socket.create_connection(("127.0.0.1", port), timeout=30)
+    partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line: the head never ends
+    t0 = time.monotonic()
+    answer = b""
+    while chunk := partial.recv(4096):
+        answer += chunk
+    waited = time.monotonic() - t0
+    partial.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert 2.5 < waited < 20, waited
+    # The idle connection outlived the head timeout and still serves a request.
+    idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert idle.recv(4096).startswith(b"HTTP/1.1 204")
+    idle.close()
+
+
+def test_a_big_tree_moved_into_a_recursive_watch_does_not_stall_other_requests(agent: RunningAgent, tmp_path) -> None:
+    """A recursive watch adds a watch for every directory moved in and reports what it holds.
+    Walking 40,000 entries ran on the event loop, and every other request (a health check, a
+    command's output) waited for it; now the walk runs in a thread and requests are served
+    meanwhile. The events still arrive complete and in order: a file written after the move
+    is reported after its CREATE."""
+    outside = tmp_path / "outside"
+    for d in range(200):
+        sub = outside / f"d{d:03}"
+        sub.mkdir(parents=True)
+        for f in range(200):
+            (sub / f"f{f:03}").touch()
+    root = tmp_path / "watched"
+    root.mkdir()
+    status, out = _unary(agent, "filesystem.Filesystem/CreateWatcher",
+                         {"path": str(root), "recursive": True, "includeEntry": True})
+    assert status == 200, out
+    watcher = out["watcherId"]
+
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def ping() -> None:
+        c = http.client.HTTPConnection("127.0.0.1", _port(agent), timeout=120)
+        while not stop.is_set():
+            t = time.monotonic()
+            c.request("GET", "/health")
+            assert c.getresponse().read() == b""
+            latencies.append(time.monotonic() - t)
+            time.sleep(0.01)
+        c.close()
+
+    pinger = threading.Thread(target=ping, daemon=True)
+    pinger.start()
+    time.sleep(0.3)
+    before = len(latencies)
+    t0 = time.monotonic()
+    os.rename(outside, root / "tree")
+    (root / "late.txt").write_bytes(b"x")
+    events: list[dict] = []
+    while not any(e["name"] == "late.txt" and e["type"] == "EVENT_TYPE_WRITE" for e in events[-5:]) \
+            and time.monotonic() - t0 < 300:
+        status, out = _unary(agent, "filesystem.Filesystem/GetWatcherEvents", {"watcherId": watcher})
+        assert status == 200, out
+        events += out.get("events", [])
+    walk = time.monotonic() - t0
+    stop.set()
+    pinger.join(30)
+    during = latencies[before:]
+    created = {e["name"] for e in events if e["type"] == "EVENT_TYPE_CREATE"}
+    assert "tree" in created and "tree/d199/f199" in created and "tree/d000/f000" in created
+    assert len(created) == 1 + 200 + 200 * 200 + 1, len(created)
+    assert all(e.get("entry", {}).get("path") for e in events if e["type"] == "EVENT_TYPE_CREATE")
+    names = [e["name"] for e in events]
+    assert names.index("tree") < names.index("tree/d000") < names.index("tree/d000/f000")
+    # Health checks went on while the walk ran: none waited for the whole of it.
+    print(f"walk {walk:.2f} s, {len(during)} health checks meanwhile, slowest {max(during):.3f} s")
+    assert len(during) >= 3 and max(during) < walk / 3, (max(during), walk, len(during))
+    assert _unary(agent, "filesystem.Filesystem/RemoveWatcher", {"watcherId": watcher})[0] == 200
+
+
+def test_polling_watchers_nobody_polls_share_one_bounded_buffer(agent: RunningAgent, tmp_path) -> None:
+    """Each polling watcher kept up to 65,536 events until polled, so watchers a client forgot
+    to remove grew the agent's memory without bound (the agent is OOM-killed with every
+    process's state). Now all of them share one budget of 65,536 events; the fullest buffer
+    loses its oldest events, so each keeps the newest."""
+    root = tmp_path / "busy"
+    root.mkdir()
+    watchers = []
+    for _ in range(5):
+        status, out = _unary(agent, "filesystem.Filesystem/CreateWatcher", {"path": str(root)})
+        assert status == 200, out
+        watchers.append(out["watcherId"])
+    for i in range(15_000):  # below the kernel's queue of 16,384 per watcher: none lost there
+        (root / f"f{i:05}").touch()
+    time.sleep(1.0)
+    kept = []
+    for watcher in watchers:
+        status, out = _unary(agent, "filesystem.Filesystem/GetWatcherEvents", {"watcherId": watcher})
+        assert status == 200
+        kept.append(out.get("events", []))
+        assert kept[-1] and kept[-1][-1]["name"] == "f14999", "the newest event is kept"
+    total = sum(len(events) for events in kept)
+    assert 60_000 <= total <= 65_536, [len(events) for events in kept]
+    for watcher in watchers:
+        assert _unary(agent, "filesystem.Filesystem/RemoveWatcher", {"watcherId": watcher})[0] == 200

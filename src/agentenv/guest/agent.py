@@ -400,8 +400,9 @@ class Agent:
                 try:
                     req = await read_request(reader, writer)
                 except (HttpError, ValueError) as exc:  # ValueError: a target urllib cannot split
-                    msg = exc.message if isinstance(exc, HttpError) else "malformed request target"
-                    await Response(writer, False).send_json(400, {"code": 400, "message": msg})
+                    if not isinstance(exc, HttpError):
+                        exc = HttpError(400, "malformed request target")
+                    await Response(writer, False).send_json(exc.status, {"code": exc.status, "message": exc.message})
                     return
                 if req is None:
                     return

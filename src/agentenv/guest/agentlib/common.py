@@ -23,6 +23,8 @@ FILE_CHUNK = 1024 * 1024        # unit of disk and socket I/O for /files
 MAX_MESSAGE = 16 * 1024 * 1024  # max size of one RPC request message
 UPLOAD_PREFIX = ".aenv-upload-"  # hidden temp files of uploads that replace an existing file
 IDLE_TIMEOUT = 640.0            # keep-alive idle timeout, longer than the proxies' 610/620 s
+# A request head, once begun, must be complete within this many seconds (tests shorten it).
+HEAD_TIMEOUT = float(os.environ.get("AENV_AGENT_HEAD_TIMEOUT", "60"))
 DEFAULT_KEEPALIVE = 90.0        # envd's default keepalive interval for streams
 DISCONNECT_POLL = 1.0           # an idle server stream checks this often whether its client left
 EXIT_GRACE = 1.0                # wait this long for pipes to close after the main process exits

@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 
 from .common import (
     FILE_CHUNK,
+    HEAD_TIMEOUT,
     IDLE_TIMEOUT,
     MAX_MESSAGE,
     ConnectError,
@@ -184,13 +185,20 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     emulation each costs a fraction of a millisecond, on every command). Lines end in CRLF, as
     every HTTP client sends them; RFC 9112 leaves accepting a bare LF to the server."""
     while True:
+        first = b""
         try:
-            async with asyncio.timeout(IDLE_TIMEOUT):
-                head = await reader.readuntil(b"\r\n\r\n")
+            async with asyncio.timeout(IDLE_TIMEOUT) as timer:
+                first = await reader.readexactly(1)
+                # A head, once begun, comes whole soon: a client that trickles one (or stops
+                # halfway) does not hold the connection for the idle timeout.
+                timer.reschedule(asyncio.get_running_loop().time() + HEAD_TIMEOUT)
+                head = first + await reader.readuntil(b"\r\n\r\n")
         except TimeoutError:
+            if first.strip():
+                raise HttpError(408, f"request head not complete after {HEAD_TIMEOUT:.0f} s") from None
             return None
         except asyncio.IncompleteReadError as exc:
-            if exc.partial.strip():
+            if (first + exc.partial).strip():
                 raise HttpError(400, "truncated request head") from None
             return None  # closed between requests
         except asyncio.LimitOverrunError:

@@ -62,6 +62,27 @@ class Subscriber:
             self.queue.get_nowait()
 
 
+class StdinFlow(asyncio.Protocol):
+    """Flow control of a process's stdin pipe: the transport pauses writers while more than
+    STDIN_BUFFER waits for the process and resumes them once it has read most of it."""
+
+    def __init__(self) -> None:
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._writable.set()  # nothing more will be taken: nobody waits for it
+
+    async def writable(self) -> None:
+        await self._writable.wait()
+
+
 class Process:
     """A command started through the agent: its output descriptors, its subscribers and, later,
     its end event.
@@ -91,6 +112,8 @@ class Process:
         self._paused: set[int] = set()  # outputs not read while a slow client catches up
         self._drain_until = 0.0
         self._stdin_ready: asyncio.Future[asyncio.WriteTransport] | None = None
+        self._stdin_flow: StdinFlow | None = None  # made with the transport
+        self._input_lock: asyncio.Lock | None = None  # one input at a time, made on first input
 
     def info(self) -> dict:
         info = {"config": self.config, "pid": self.pid}
@@ -137,7 +160,9 @@ class Process:
             assert fd is not None
             self._stdin_ready = self._loop.create_future()
             try:
-                transport, _ = await self._loop.connect_write_pipe(asyncio.Protocol, os.fdopen(fd, "wb", buffering=0))
+                flow = self._stdin_flow = StdinFlow()
+                transport, _ = await self._loop.connect_write_pipe(lambda: flow, os.fdopen(fd, "wb", buffering=0))
+                transport.set_write_buffer_limits(high=STDIN_BUFFER)
             except BaseException as exc:
                 self._stdin_ready.set_exception(ConnectError("failed_precondition", f"stdin: {exc}"))
                 self._stdin_ready.exception()  # retrieved: nobody else may be waiting
@@ -146,6 +171,19 @@ class Process:
             self._stdin_ready.set_result(transport)
             return transport
         return await asyncio.shield(self._stdin_ready)
+
+    async def write_input(self, data: bytes) -> None:
+        """Write ``data`` to stdin and return once at most STDIN_BUFFER of it waits for the
+        process (back-pressure: input to a process that does not read stays with the caller,
+        not in our memory). Callers take turns, so concurrent or retried calls wait before
+        they write and the buffer holds at most one call's data beyond the limit."""
+        if self._input_lock is None:
+            self._input_lock = asyncio.Lock()
+        async with self._input_lock:
+            stdin = await self.input()
+            stdin.write(data)
+            assert self._stdin_flow is not None
+            await self._stdin_flow.writable()
 
     def close_stdin(self) -> None:
         if self.stdin is not None:
@@ -533,7 +571,7 @@ class ProcessManager:
         return {}
 
     @staticmethod
-    async def _write_input(proc: Process, data: Any) -> asyncio.WriteTransport:
+    async def _write_input(proc: Process, data: Any) -> None:
         """Write one ``ProcessInput`` (``{"stdin": b64}`` or ``{"pty": b64}``) to the process."""
         data = data if isinstance(data, dict) else {}
         kind = "pty" if proc.pty_master is not None else "stdin"
@@ -541,21 +579,11 @@ class ProcessManager:
             raise ConnectError("invalid_argument", f"this process accepts only '{kind}' input")
         if not proc.stdin_open:
             raise ConnectError("failed_precondition", "stdin of the process is not open")
-        stdin = await proc.input()
-        stdin.write(b64decode(data[kind]))
-        return stdin
+        await proc.write_input(b64decode(data[kind]))
 
     async def rpc_send_input(self, msg: dict, ctx: CallContext) -> dict:
-        stdin = await self._write_input(self.find(msg.get("process")), msg.get("input"))
-        await self._drained(stdin)
+        await self._write_input(self.find(msg.get("process")), msg.get("input"))
         return {}
-
-    @staticmethod
-    async def _drained(stdin: asyncio.WriteTransport) -> None:
-        """Back-pressure: answer once at most STDIN_BUFFER is queued for the process, so input
-        to a process that does not read waits with the caller instead of growing our memory."""
-        while not stdin.is_closing() and stdin.get_write_buffer_size() > STDIN_BUFFER:
-            await asyncio.sleep(0.005)
 
     async def rpc_stream_input(self, messages: AsyncIterator[dict], ctx: CallContext) -> dict:
         """Client stream: ``start{process}`` first, then ``data{input}`` messages written in order
@@ -570,8 +598,7 @@ class ProcessManager:
             elif "data" in msg:
                 if proc is None:
                     raise ConnectError("invalid_argument", "the first message must be start")
-                stdin = await self._write_input(proc, (msg.get("data") or {}).get("input"))
-                await self._drained(stdin)
+                await self._write_input(proc, (msg.get("data") or {}).get("input"))
             elif "keepalive" not in msg:
                 raise ConnectError("invalid_argument", f"unknown StreamInput message: {sorted(msg)}")
         if proc is None:

@@ -12,7 +12,10 @@ to envd's event types the way envd's fsnotify backend maps them:
 Names are relative to the watched directory (``sub/file.txt`` in a recursive watch). A recursive
 watch adds a watch for every subdirectory, including ones created (or moved in) later; what a new
 subdirectory already contains when its watch is added is reported as CREATE events, so a quick
-``mkdir -p a/b && touch a/b/f`` is not lost to the race.
+``mkdir -p a/b && touch a/b/f`` is not lost to the race. Those walks run in the thread pool (a
+tree of tens of thousands of entries moved in takes seconds under emulation, and the event loop
+serves every other request); the events that arrive meanwhile wait and follow the walk's, in
+the order the kernel gave them.
 
 The agent's uploads of *existing* files go through a hidden temporary file renamed over the target
 (``UPLOAD_PREFIX``); watchers hide that file and report the rename as the ``WRITE`` that envd's
@@ -26,6 +29,7 @@ import ctypes
 import errno
 import os
 import struct
+import threading
 import time
 from collections import deque
 from typing import AsyncIterator, Callable
@@ -61,7 +65,7 @@ EVENT_ORDER = ((IN_CREATE | IN_MOVED_TO, "EVENT_TYPE_CREATE"), (IN_MOVED_FROM, "
                (IN_ATTRIB, "EVENT_TYPE_CHMOD"), (IN_MODIFY, "EVENT_TYPE_WRITE"),
                (IN_DELETE, "EVENT_TYPE_REMOVE"))
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb", "smb3", "smbfs", "fuse", "sshfs", "9p", "ceph", "glusterfs")
-MAX_BUFFERED = 65536  # events a polling watcher keeps between two GetWatcherEvents calls
+MAX_BUFFERED = 65536  # events kept for a WatchDir client, and for all polling watchers together
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.inotify_init1.argtypes = [ctypes.c_int]
@@ -96,6 +100,11 @@ class Watcher:
         self.fd = -1
         self.dirs: dict[int, str] = {}     # watch descriptor -> directory path
         self._upload_cookies: set[int] = set()
+        # A walk of a new subtree runs in a thread; raw records wait in the backlog until it
+        # is done. The lock keeps the thread off a descriptor that ``close`` is closing.
+        self._lock = threading.Lock()
+        self._walk: asyncio.Future[list[dict]] | None = None
+        self._backlog: deque[tuple[int, int, int, str]] = deque()
 
     async def start(self, allow_network_mounts: bool) -> None:
         """Validate the root and add the watches (raises ConnectError); then events flow. The
@@ -119,7 +128,7 @@ class Watcher:
             raise ConnectError("resource_exhausted" if err in (errno.EMFILE, errno.ENFILE) else "internal",
                                f"inotify_init1: {os.strerror(err)}")
         try:
-            self._add(self.root, scan=False)
+            self._add_tree(self.root, scan=False)
         except ConnectError:
             os.close(self.fd)
             self.fd = -1
@@ -128,48 +137,97 @@ class Watcher:
     def close(self) -> None:
         if self.fd >= 0:
             asyncio.get_running_loop().remove_reader(self.fd)
-            os.close(self.fd)  # closing the inotify fd drops all its watches
-            self.fd = -1
+            with self._lock:  # a walk in a thread must not add a watch to a reused descriptor
+                os.close(self.fd)  # closing the inotify fd drops all its watches
+                self.fd = -1
+        if self._walk is not None:
+            self._walk.cancel()
+            self._walk = None
+        self._backlog.clear()
+
+    async def settle(self) -> None:
+        """Read what the kernel queued and wait for the walks it starts, so every event from
+        before this call has reached the sink (``GetWatcherEvents`` answers with all of them)."""
+        self.read_pending()
+        while self._walk is not None:
+            await asyncio.wait([self._walk])  # our own cancellation does not cancel the walk
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _add(self, directory: str, scan: bool) -> None:
-        """Watch ``directory`` (and, when recursive, everything below it). With ``scan``, entries
-        that already exist are reported as CREATE: they appeared before the watch could see them."""
-        wd = _libc.inotify_add_watch(self.fd, os.fsencode(directory), WATCH_MASK)
-        if wd < 0:
-            err = ctypes.get_errno()
-            if directory == self.root:
-                code = "resource_exhausted" if err == errno.ENOSPC else "internal"
-                raise ConnectError(code, f"cannot watch '{directory}': {os.strerror(err)}")
-            log(f"watch: cannot watch '{directory}': {os.strerror(err)}")
-            return
-        self.dirs[wd] = directory
-        if not self.recursive and directory == self.root:
-            return
-        try:
-            with os.scandir(directory) as it:
-                entries = sorted(it, key=lambda e: e.name)
-        except OSError:
-            return
-        for entry in entries:
-            if entry.name.startswith(UPLOAD_PREFIX):
+    def _add_tree(self, top: str, scan: bool) -> list[dict]:
+        """Watch ``top`` (and, when recursive, every directory below it). With ``scan``, the
+        entries already there are returned as CREATE events: they appeared before the watch
+        could see them. Blocking (runs in a thread, never on the event loop); iterative, so a
+        deep tree cannot exhaust the stack."""
+        events: list[dict] = []
+        failed: list[str] = []
+        pending = [top]
+        while pending:
+            directory = pending.pop()
+            with self._lock:
+                if self.fd < 0:
+                    return []  # closed meanwhile
+                wd = _libc.inotify_add_watch(self.fd, os.fsencode(directory), WATCH_MASK)
+                err = ctypes.get_errno()
+                if wd >= 0:
+                    self.dirs[wd] = directory
+            if wd < 0:
+                if directory == self.root:
+                    code = "resource_exhausted" if err == errno.ENOSPC else "internal"
+                    raise ConnectError(code, f"cannot watch '{directory}': {os.strerror(err)}")
+                failed.append(f"'{directory}': {os.strerror(err)}")
                 continue
-            if scan:
-                self._emit(entry.path, ["EVENT_TYPE_CREATE"])
-            if self.recursive and entry.is_dir(follow_symlinks=False):
-                self._add(entry.path, scan)
+            if not self.recursive and directory == self.root:
+                break
+            try:
+                with os.scandir(directory) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except OSError:
+                continue
+            subdirs = []
+            for entry in entries:
+                if entry.name.startswith(UPLOAD_PREFIX):
+                    continue
+                if scan:
+                    events.append(self._event(entry.path, "EVENT_TYPE_CREATE"))
+                if self.recursive and entry.is_dir(follow_symlinks=False):
+                    subdirs.append(entry.path)
+            pending.extend(reversed(subdirs))
+        if failed:
+            log(f"watch: cannot watch {len(failed)} directories, first {failed[0]}")
+        return events
+
+    def _event(self, path: str, kind: str) -> dict:
+        event: dict = {"name": os.path.relpath(path, self.root), "type": kind}
+        if self.include_entry and kind in ("EVENT_TYPE_CREATE", "EVENT_TYPE_WRITE", "EVENT_TYPE_CHMOD"):
+            try:
+                event["entry"] = entry_info(path)
+            except (ConnectError, OSError):
+                pass
+        return event
 
     def _emit(self, path: str, types: list[str]) -> None:
-        name = os.path.relpath(path, self.root)
         for kind in types:
-            event: dict = {"name": name, "type": kind}
-            if self.include_entry and kind in ("EVENT_TYPE_CREATE", "EVENT_TYPE_WRITE", "EVENT_TYPE_CHMOD"):
-                try:
-                    event["entry"] = entry_info(path)
-                except (ConnectError, OSError):
-                    pass
-            self.sink(event)
+            self.sink(self._event(path, kind))
+
+    def _start_walk(self, directory: str) -> None:
+        """Watch a new subtree in the thread pool; records that arrive meanwhile wait."""
+        self._walk = asyncio.ensure_future(blocking(self._add_tree, directory, True))
+        self._walk.add_done_callback(self._walk_done)
+
+    def _walk_done(self, walk: asyncio.Future[list[dict]]) -> None:
+        if walk is not self._walk:
+            return  # closed: its events go nowhere
+        self._walk = None
+        if walk.cancelled():
+            return
+        if (exc := walk.exception()) is not None:
+            log(f"watch: adding watches below '{self.root}' failed: {exc}")
+        else:
+            for event in walk.result():
+                self.sink(event)
+        while self._backlog and self._walk is None and self.fd >= 0:
+            self._handle(*self._backlog.popleft())
 
     def read_pending(self) -> None:
         if self.fd >= 0:
@@ -191,7 +249,11 @@ class Watcher:
                 offset += EVENT_HEADER.size
                 raw_name = data[offset:offset + length].rstrip(b"\0")
                 offset += length
-                self._handle(wd, mask, cookie, os.fsdecode(raw_name))
+                record = (wd, mask, cookie, os.fsdecode(raw_name))
+                if self._walk is not None:
+                    self._backlog.append(record)  # after the walk's own events
+                else:
+                    self._handle(*record)
 
     def _handle(self, wd: int, mask: int, cookie: int, name: str) -> None:
         if mask & IN_Q_OVERFLOW:
@@ -218,7 +280,7 @@ class Watcher:
             return
         self._emit(path, [kind for bits, kind in EVENT_ORDER if mask & bits])
         if self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
-            self._add(path, scan=True)
+            self._start_walk(path)
         if mask & IN_ISDIR and mask & IN_MOVED_FROM:
             # A subdirectory moved away: its watches would report under a stale name.
             prefix = path + "/"
@@ -228,11 +290,13 @@ class Watcher:
 
 
 class PolledWatcher:
-    """A watcher whose events wait in a bounded buffer until ``GetWatcherEvents`` drains them."""
+    """A watcher whose events wait in a buffer until ``GetWatcherEvents`` drains them."""
 
-    def __init__(self, root: str, recursive: bool, include_entry: bool) -> None:
-        self.events: deque[dict] = deque(maxlen=MAX_BUFFERED)
-        self.watcher = Watcher(root, recursive, include_entry, self.events.append)
+    def __init__(self, root: str, recursive: bool, include_entry: bool,
+                 sink: Callable[[PolledWatcher, dict], None]) -> None:
+        self.events: deque[dict] = deque()
+        self.dropped = 0
+        self.watcher = Watcher(root, recursive, include_entry, lambda event: sink(self, event))
 
 
 class WatchService:
@@ -241,6 +305,25 @@ class WatchService:
     def __init__(self, resolve: Callable[[str, User], str]) -> None:
         self.resolve = resolve
         self.polled: dict[str, PolledWatcher] = {}
+        self._buffered = 0  # events held by all polling watchers together
+
+    def _keep(self, polled: PolledWatcher, event: dict) -> None:
+        """Buffer a polling watcher's event within one budget for all of them: watchers that
+        nobody polls (a client that forgot to stop one) cannot grow the agent's memory without
+        bound. When the budget is spent, the fullest buffer loses its oldest event."""
+        if self._buffered >= MAX_BUFFERED:
+            fullest = max(self.polled.values(), key=lambda p: len(p.events), default=polled)
+            if len(fullest.events) < len(polled.events):
+                fullest = polled
+            if not fullest.events:
+                return
+            fullest.events.popleft()
+            self._buffered -= 1
+            if not fullest.dropped:
+                log(f"watch: events of '{fullest.watcher.root}' are not being polled, dropping the oldest")
+            fullest.dropped += 1
+        polled.events.append(event)
+        self._buffered += 1
 
     def _watcher_args(self, msg: dict, ctx: CallContext) -> tuple[str, bool, bool, bool]:
         return (self.resolve(msg.get("path"), ctx.user()), bool(field(msg, "recursive")),
@@ -288,7 +371,7 @@ class WatchService:
 
     async def rpc_create_watcher(self, msg: dict, ctx: CallContext) -> dict:
         root, recursive, include_entry, allow_network = self._watcher_args(msg, ctx)
-        polled = PolledWatcher(root, recursive, include_entry)
+        polled = PolledWatcher(root, recursive, include_entry, self._keep)
         await polled.watcher.start(allow_network)
         watcher_id = os.urandom(16).hex()
         self.polled[watcher_id] = polled
@@ -296,14 +379,17 @@ class WatchService:
 
     async def rpc_get_watcher_events(self, msg: dict, ctx: CallContext) -> dict:
         polled = self._get(field(msg, "watcherId"))
-        polled.watcher.read_pending()  # what the kernel queued but the loop has not read yet
+        await polled.watcher.settle()  # what the kernel queued but the loop has not handled yet
         events = list(polled.events)
         polled.events.clear()
+        self._buffered -= len(events)
         return {"events": events} if events else {}
 
     async def rpc_remove_watcher(self, msg: dict, ctx: CallContext) -> dict:
         watcher_id = field(msg, "watcherId")
-        self._get(watcher_id).watcher.close()
+        polled = self._get(watcher_id)
+        polled.watcher.close()
+        self._buffered -= len(polled.events)
         del self.polled[watcher_id]
         return {}
 
