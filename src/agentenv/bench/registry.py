@@ -141,12 +141,15 @@ class BuiltImage:
     layers: tuple[str, ...]  # layer digests, in order
 
 
-def _push(registry: LocalRegistry, layout: Path, name: str, tag: str) -> BuiltImage:
+def _push(registry: LocalRegistry, layout: Path, name: str, tag: str, compression: str = "gzip") -> BuiltImage:
+    """Push the layout's image; ``compression="zstd"`` recompresses its layers as zstd."""
     ref = f"{registry.host}/{name}:{tag}"
     digestfile = layout.parent / "digest"
     creds = ["--dest-creds", f"{registry.auth[0]}:{registry.auth[1]}"] if registry.auth else []
-    subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", *creds, "--digestfile", str(digestfile),
-                    f"oci:{layout}:img", f"docker://{ref}"], check=True, capture_output=True)
+    recompress = ["--dest-compress-format", compression] if compression != "gzip" else []
+    subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", *creds, *recompress,
+                    "--digestfile", str(digestfile), f"oci:{layout}:img", f"docker://{ref}"],
+                   check=True, capture_output=True)
     raw = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false",
                           *(["--creds", ":".join(registry.auth)] if registry.auth else []), f"docker://{ref}"],
                          check=True, capture_output=True).stdout
@@ -193,8 +196,10 @@ def build_busybox_image(registry: LocalRegistry, name: str, tag: str = "1", *, s
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build_image_from_tars(registry: LocalRegistry, name: str, tars: list[Path], tag: str = "1") -> BuiltImage:
-    """An image whose layers are the given tar files as they are (tests craft hostile ones)."""
+def build_image_from_tars(registry: LocalRegistry, name: str, tars: list[Path], tag: str = "1",
+                          compression: str = "gzip") -> BuiltImage:
+    """An image whose layers are the given tar files as they are (tests craft hostile ones),
+    compressed with ``compression`` (gzip or zstd)."""
     tmp = _mkdtemp("aenv-img-")
     try:
         layout = tmp / "layout"
@@ -203,7 +208,7 @@ def build_image_from_tars(registry: LocalRegistry, name: str, tars: list[Path], 
         for tar in tars:
             subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:img", str(tar)],
                            check=True, capture_output=True)
-        return _push(registry, layout, name, tag)
+        return _push(registry, layout, name, tag, compression)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

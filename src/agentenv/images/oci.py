@@ -238,7 +238,9 @@ async def _pull_from(run_: _Skopeo, root: Path) -> PulledImage:
     tmp = Path(tempfile.mkdtemp(prefix=f".pull-{layout.name[:12]}-", dir=root))
     try:
         pinned = ImageRef(ref.registry, ref.repository, None, digest)
-        await run_(["copy", "--quiet", *run_.args("--src-tls-verify", "--src-authfile"),
+        # Layers stored as zstd are recompressed to gzip on the way in (gzip ones are copied
+        # as they are): umoci 0.4.7 unpacks only gzip, and the size check reads them as tar.
+        await run_(["copy", "--quiet", *run_.args("--src-tls-verify", "--src-authfile"), "--dest-compress-format", "gzip",
                     pinned.on(host), f"oci:{tmp}:{LAYOUT_TAG}"])
         (tmp / META).write_text(json.dumps({"digest": digest, "reference": str(ref), "source": host}))
         try:
@@ -320,19 +322,13 @@ async def _tree_mib(tree: Path) -> float:
 BOMB_FACTOR = 2  # layers that claim more than this times the disk are refused before unpacking
 
 
-def _expansion(layout: Path, manifest: dict[str, Any], max_bytes: int,
-               max_entries: int) -> tuple[int, int, list[str]]:
+def _expansion(layout: Path, manifest: dict[str, Any], max_bytes: int, max_entries: int) -> tuple[int, int]:
     """(bytes, entries) the layers' tar streams declare, summed over all layers (an upper bound
-    of the tree: later layers may overwrite or delete), and the media types not scanned; it
-    stops as soon as either passes its maximum. Sparse files count with their full size, as
-    umoci writes them. Blocking: call in a thread."""
+    of the tree: later layers may overwrite or delete); it stops as soon as either passes its
+    maximum. Sparse files count with their full size, as umoci writes them. Every layer is
+    gzip or plain tar (the pull recompresses zstd). Blocking: call in a thread."""
     total = entries = 0
-    skipped = []
     for desc in manifest["layers"]:
-        media = str(desc.get("mediaType", ""))
-        if "zstd" in media:  # tarfile cannot read it; the check after unpacking still applies
-            skipped.append(media)
-            continue
         path = layout / "blobs" / "sha256" / str(desc["digest"]).partition(":")[2]
         try:
             with tarfile.open(path, mode="r|*") as t:
@@ -341,12 +337,12 @@ def _expansion(layout: Path, manifest: dict[str, Any], max_bytes: int,
                     total += max(member.size, 0)
                     t.members.clear()  # tarfile keeps every member read: millions of headers are GiBs
                     if total > max_bytes or entries > max_entries:
-                        return total, entries, skipped
+                        return total, entries
         except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
             # What was read counts. Tar writers differ (umoci's own layers end without the
             # last padding, which Python's reader calls truncated); umoci judges the rest.
             log.info("layer %s: sized up to a tar read error (%s)", desc["digest"], exc)
-    return total, entries, skipped
+    return total, entries
 
 
 async def to_ext4(image: PulledImage, out: Path, *, size_mb: int, add_user: bool = True) -> Path:
@@ -360,12 +356,10 @@ async def to_ext4(image: PulledImage, out: Path, *, size_mb: int, add_user: bool
     # Before anything is written: layers that declare far more than the disk holds (a
     # compression or sparse-file bomb of a few KiB can claim GiBs) would fill the host's disk.
     max_bytes, max_entries = BOMB_FACTOR * size_mb << 20, BOMB_FACTOR * (size_mb << 20) // 4096
-    declared, entries, skipped = await asyncio.to_thread(_expansion, image.layout, manifest, max_bytes, max_entries)
+    declared, entries = await asyncio.to_thread(_expansion, image.layout, manifest, max_bytes, max_entries)
     if declared > max_bytes or entries > max_entries:
         raise ImageTooLarge(f"image {image.ref} declares {declared >> 20} MiB in {entries} files across its layers, "
                             f"far more than the {size_mb} MiB disk; ask for a larger disk")
-    if skipped:
-        log.info("image %s: %d zstd layers not sized before unpacking", image.ref, len(skipped))
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".unpack-", dir=image.layout.parent))
     partial = out.with_name(f".{out.name}.{work.name}.partial")
