@@ -118,6 +118,10 @@ def test_server_killed_mid_resume_loses_nothing(node: ServerProcess, point: str,
     try:
         with node.client() as api:
             sid = busy_sandbox(api)
+            # Paused with 5 s left: by the time the server is back, the old time to live is
+            # over, and only the resume's own (600 s) keeps a re-adopted VM from the reaper.
+            assert api.post(f"/sandboxes/{sid}/timeout", json={"timeout": 5}).status_code == 204
+            old_end = time.time() + 5
             assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
             interrupt(node, api, f"/sandboxes/{sid}/resume", {"timeout": 600}, point)
             vm = host.qemu_pids(sid)  # the parked VM, or the one the resume started
@@ -131,6 +135,8 @@ def test_server_killed_mid_resume_loses_nothing(node: ServerProcess, point: str,
             else:
                 assert state(api, sid) == "running", "the VM being resumed is re-adopted"
                 assert host.qemu_pids(sid) == vm
+            time.sleep(max(0.0, old_end + 2 - time.time()))  # the reaper looks twice a second
+            assert state(api, sid) == "running", "a resumed sandbox is not killed for its old time to live"
             c = counter(api, sid)
             time.sleep(0.3)
             assert counter(api, sid) > c

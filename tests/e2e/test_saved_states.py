@@ -82,6 +82,23 @@ def test_connect_resumes_a_paused_sandbox_and_only_extends_a_running_one(api: ht
     assert run(api, sandbox, "echo back")["stdout"] == "back\n"
 
 
+def test_connects_that_arrive_during_a_pause_all_succeed(api: httpx.Client, sandbox: str) -> None:
+    """Several workers connect to a sandbox while it is being paused (the reaper's auto-pause,
+    a retried create): each waited for the pause, saw it paused, and all but the first then
+    found it running and got 409. Connecting to a running sandbox is not an error."""
+    with ThreadPoolExecutor(4) as pool:
+        pausing = pool.submit(api.post, f"/sandboxes/{sandbox}/pause")
+        deadline = time.monotonic() + 10
+        while state(api, sandbox) != "pausing" and not pausing.done() and time.monotonic() < deadline:
+            pass
+        connects = [pool.submit(api.post, f"/sandboxes/{sandbox}/connect", json={"timeout": 600}) for _ in range(3)]
+        assert pausing.result().status_code == 204
+        codes = sorted(c.result().status_code for c in connects)
+    assert codes == [200, 200, 201], codes  # one of them resumed it
+    assert state(api, sandbox) == "running"
+    assert run(api, sandbox, "echo back")["stdout"] == "back\n"
+
+
 def test_fifty_pause_resume_cycles_lose_nothing(api: httpx.Client) -> None:
     sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 900}).json()["sandboxID"]
     try:

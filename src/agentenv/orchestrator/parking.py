@@ -125,9 +125,11 @@ async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: i
     p = take(live)
     assert p is not None
     t0 = time.perf_counter()
+    before = live.record
     try:
-        # With its slot recorded, recovery re-adopts this VM if the server dies during the wake.
-        live.record = live.record.with_(slot_index=p.slot.index)
+        # With its slot recorded, recovery re-adopts this VM if the server dies during the wake,
+        # with the time to live this resume gives it (the old one may be long past).
+        live.record = live.record.with_(slot_index=p.slot.index, end_at=time.time() + timeout, timeout_s=timeout)
         await orch._transition(live, State.RESUMING)
         await orch.checkpoints.crash_point("wake_before_cont")
         if p.machine.exited:
@@ -135,7 +137,7 @@ async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: i
         await p.machine.qmp("cont")
     except BaseException as exc:  # the VM did not run: the saved state is the sandbox's state
         free_later(orch, live, p.machine, p.envd, p.slot)
-        live.record = live.record.with_(slot_index=None)
+        live.record = live.record.with_(slot_index=None, end_at=before.end_at, timeout_s=before.timeout_s)
         if live.record.state == State.RESUMING:
             await orch._transition(live, State.PAUSED)
         else:

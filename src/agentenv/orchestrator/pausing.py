@@ -114,8 +114,11 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
             try:
                 woken = await parking.wake(orch, live, cp, timeout)
             finally:
-                if live.record.state == State.RUNNING:  # (even if its guest did not answer)
-                    await orch.drop_checkpoint(cp.id)  # the record pins the layers now
+                # Once the VM ran (even if its guest did not answer, or its QEMU then died),
+                # the record no longer holds the pause: its layers are pinned by the record's
+                # origin, and the manifest would only leak them.
+                if live.record.paused is None:
+                    await orch.drop_checkpoint(cp.id)
                     orch.schedule_gc()
             if woken is not None:
                 orch._in_background(orch.checkpoints.prefetch(cp), f"reading the memory layer of {sandbox_id}")
@@ -131,8 +134,10 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
 
         async def record_vm(slot: Slot) -> None:
             # Once the guest runs on its own disk there is no going back to the saved state:
-            # with its slot recorded, recovery re-adopts this VM if the server dies from here on.
-            live.record = live.record.with_(slot_index=slot.index)
+            # with its slot recorded, recovery re-adopts this VM if the server dies from here on,
+            # with the time to live this resume gives it (the old one may be long past: the
+            # reaper would kill the re-adopted sandbox at once).
+            live.record = live.record.with_(slot_index=slot.index, end_at=time.time() + timeout, timeout_s=timeout)
             await orch.store.put(live.record)
 
         try:
@@ -143,7 +148,7 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
                 options=rec.options, keep_if_silent=cp.disk_top is not None,
                 before_run=record_vm if own_disk else None)
         except BaseException:
-            live.record = live.record.with_(slot_index=None)
+            live.record = live.record.with_(slot_index=None, end_at=rec.end_at, timeout_s=rec.timeout_s)
             await orch._transition(live, State.PAUSED)
             raise
         live.machine, live.slot, live.envd = started.machine, started.slot, started.envd
@@ -169,15 +174,21 @@ async def connect(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
                                       State.SNAPSHOTTING, State.FORKING})
     async with live.lock:  # wait for a transition in progress to finish
         state = live.record.state
-    if state == State.RUNNING:
-        # E2B: the time to live is only extended, by the default (300 s) when none is given.
-        ttl = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
-        end = max(live.record.end_at, time.time() + ttl)
-        if end != live.record.end_at:
-            live.record = live.record.with_(end_at=end)
-            await orch.store.put(live.record)
-        return live.record, False
-    return await resume(orch, sandbox_id, timeout_s, memory), True
+    if state != State.RUNNING:
+        try:
+            return await resume(orch, sandbox_id, timeout_s, memory), True
+        except SandboxStateError:
+            # Another connect (or the proxy's auto-resume) resumed it between our look and
+            # our turn of the lock: connecting to a running sandbox is not an error.
+            if live.record.state != State.RUNNING:
+                raise
+    # E2B: the time to live is only extended, by the default (300 s) when none is given.
+    ttl = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
+    end = max(live.record.end_at, time.time() + ttl)
+    if end != live.record.end_at:
+        live.record = live.record.with_(end_at=end)
+        await orch.store.put(live.record)
+    return live.record, False
 
 
 async def pause_all(orch: Orchestrator) -> None:
