@@ -26,6 +26,12 @@ class Cleanup:
         """Success: the resources now belong to someone else."""
         self._stack.clear()
 
+    def done(self, name: str) -> None:
+        """The resource ``name`` is being released on the normal path: never undo it again.
+        Call it before the release, which may fail halfway: a second release of a network
+        slot would free an index that another sandbox may hold by then."""
+        self._stack = [(n, u) for n, u in self._stack if n != name]
+
     async def unwind(self) -> None:
         while self._stack:
             name, undo = self._stack.pop()

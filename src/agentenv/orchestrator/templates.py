@@ -248,7 +248,9 @@ class SnapshotBuilder:
             t1 = time.monotonic()
             await machine.save_template_state(d / "state")
             snapshot_ms = (time.monotonic() - t1) * 1000
+            undo.done("machine")
             await machine.kill()
+            undo.done("slot")
             await self.slots.release(slot)
             await remove_tree(d / "run")
             seal_readonly(d / "disk.qcow2")
