@@ -145,10 +145,17 @@ def test_ls_is_json_when_piped_and_a_table_when_asked(aenv, stub):
 
 
 def test_ls_sends_filters(aenv, stub):
+    """Metadata filters are encoded as the E2B SDKs encode them, so values holding '=', '&'
+    or '%' reach the server's parser (the API's own) whole."""
+    from agentenv.api.routes.sandboxes import _parse_metadata
+
     stub.on("GET", "/sandboxes", [])
-    res = aenv("--url", stub.url, "ls", "--state", "running,error", "-m", "a=1", "-m", "b=2")
-    assert res.exit_code == 0
-    assert stub.requests[-1].query == {"state": ["running,error"], "metadata": ["a=1", "b=2"]}
+    res = aenv("--url", stub.url, "ls", "--state", "running,error", "-m", "a=1", "-m", "b=2",
+               "-m", "url=http://x/?a=b", "-m", "q=a&b", "-m", "p=%41")
+    assert res.exit_code == 0, res.stderr
+    query = stub.requests[-1].query
+    assert query["state"] == ["running,error"]
+    assert _parse_metadata(query["metadata"]) == {"a": "1", "b": "2", "url": "http://x/?a=b", "q": "a&b", "p": "%41"}
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -245,6 +252,13 @@ def test_exec_stream_cut_short_is_an_error(aenv, stub):
     stub.on("POST", "/sandboxes/sb1/exec", ndjson({"type": "stdout", "data": "partial"}))
     res = aenv("--url", stub.url, "exec", "sb1", "true")
     assert res.exit_code == 1 and "error: the server closed the output stream" in res.stderr
+
+
+def test_exec_shows_the_error_the_server_streamed(aenv, stub):
+    stub.on("POST", "/sandboxes/sb1/exec", ndjson({"type": "stdout", "data": "partial"},
+                                                   {"type": "error", "message": "guest agent: lost the guest agent"}))
+    res = aenv("--url", stub.url, "exec", "sb1", "true")
+    assert res.exit_code == 1 and "error: guest agent: lost the guest agent" in res.stderr
 
 
 def test_start_detached_prints_the_id(aenv, stub):

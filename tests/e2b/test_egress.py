@@ -95,6 +95,8 @@ sb = Sandbox.create(timeout=120, allow_internet_access=False)
 o["no_internet"] = [probe(sb, OUT), sb.get_info().allow_internet_access]
 sb.update_network({"allow_out": [OUT], "deny_out": ["0.0.0.0/0"]})
 o["no_internet_then_allowed"] = probe(sb, OUT)
+sb.update_network({})  # everything allowed again: the detail must say so, not its create-time False
+o["no_internet_then_open"] = [probe(sb, OUT), sb.get_info().allow_internet_access]
 sb.kill()
 
 sb = Sandbox.create(timeout=120, allow_internet_access=False, network={"allow_out": [OUT, HOST]})
@@ -108,6 +110,7 @@ print(json.dumps(o))
 """)
     assert out["default"] == ["200", "blocked"]
     assert out["updated_deny"] == "blocked"
+    assert out["no_internet_then_open"] == ["200", True]
     assert out["updated_info"] == {"deny_out": [f"198.18.{N}.0/24"]}
     assert out["updated_clear"] == "200"
     assert out["no_internet"] == ["blocked", False]

@@ -52,3 +52,26 @@ def test_unknown_sandbox_is_404_everywhere(api: httpx.Client) -> None:
 def test_bad_state_filter_is_400(api: httpx.Client) -> None:
     r = api.get("/sandboxes", params={"state": "sleeping"})
     assert r.status_code == 400 and "state" in r.json()["message"]
+
+
+def test_text_that_is_not_unicode_is_400_and_the_listing_stays_whole(api: httpx.Client) -> None:
+    """JSON can carry a lone surrogate ("\\ud800"). A sandbox created with one in its metadata
+    made every listing (and its own detail) a 500 until it was killed, across restarts."""
+    body = b'{"templateID": "base", "metadata": {"k": "\\ud800"}}'
+    for field, raw in (("metadata", body), ("envVars", body.replace(b"metadata", b"envVars"))):
+        r = api.post("/sandboxes", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and field in r.json()["message"], r.text
+        assert "surrogate" in r.json()["message"]
+    assert api.get("/sandboxes").status_code == 200
+    assert api.get("/v2/sandboxes").status_code == 200
+
+
+def test_exec_input_that_cannot_run_is_400(api: httpx.Client) -> None:
+    """An empty argv and timeouts that are not a number of seconds (NaN, Infinity, 1e308,
+    negative) were 500s, or a 1 ms deadline, before the sandbox was even looked up."""
+    for raw in (b'{"cmd": []}', b'{"cmd": "true", "timeout": NaN}', b'{"cmd": "true", "timeout": Infinity}',
+                b'{"cmd": "true", "timeout": 1e308}', b'{"cmd": "true", "timeout": -1}',
+                b'{"cmd": ["echo", "\\udc80"]}'):
+        r = api.post("/sandboxes/nosuchsandbox/exec", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (raw, r.status_code, r.text)
+        assert r.json()["code"] == 400 and ("cmd" in r.json()["message"] or "timeout" in r.json()["message"]), r.text

@@ -91,3 +91,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(_req: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a client's error: still the JSON body every client parses (the
+        # traceback is logged by the server's error middleware, which re-raises it).
+        return error_response(500, f"internal error: {type(exc).__name__}")

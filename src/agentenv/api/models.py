@@ -7,14 +7,27 @@ refused with 400 by the route, never silently dropped when it would change behav
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from agentenv.orchestrator import SandboxRecord
 from agentenv.orchestrator.lifecycle import api_state
 
 ENVD_VERSION = "0.6.13"
+
+
+def _utf8(value: str) -> str:
+    """JSON can carry lone surrogates (``"\ud800"``) that no UTF-8 text holds: stored, they
+    made every listing that included them fail, and a command's environment cannot take them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate escape)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 def rfc3339(ts: float) -> str:
@@ -46,10 +59,10 @@ class NewSandbox(BaseModel):
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
-    templateID: str = Field(min_length=1, max_length=200)
+    templateID: Text = Field(min_length=1, max_length=200)
     timeout: int | None = Field(default=None, description="seconds until the sandbox is killed (default 300)")
-    metadata: dict[str, str] | None = None
-    envVars: dict[str, str] | None = None
+    metadata: dict[Text, Text] | None = None
+    envVars: dict[Text, Text] | None = None
     cpuCount: int | None = None
     memoryMB: int | None = None
     secure: bool | None = None
@@ -74,11 +87,13 @@ class RefreshRequest(BaseModel):
 class ExecRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    cmd: str | list[str] = Field(description="a shell string (run with bash -l -c) or an argv list")
-    envs: dict[str, str] | None = None
-    cwd: str | None = None
-    user: str | None = None
-    timeout: float | None = Field(default=60.0, description="seconds; 0 or null means no limit")
+    cmd: Text | Annotated[list[Text], Field(min_length=1)] = Field(
+        description="a shell string (run with bash -l -c) or an argv list")
+    envs: dict[Text, Text] | None = None
+    cwd: Text | None = None
+    user: Text | None = None
+    timeout: float | None = Field(default=60.0, ge=0, le=86400, allow_inf_nan=False,
+                                  description="seconds (at most a day); 0 or null means no limit")
     stream: bool = Field(default=False, description="answer with NDJSON events as they happen")
 
 

@@ -44,6 +44,8 @@ def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, env
                 _write(sys.stderr, event.get("data", ""))
             elif kind == "end":
                 return _exit_code(event)
+            elif kind == "error":  # the stream failed after its start (agent lost, deadline)
+                raise CliError(str(event.get("message") or "the command failed"))
     raise CliError("the server closed the output stream before the command ended")
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Annotated, Any
+from urllib.parse import quote, urlencode
 
 import typer
 from rich.text import Text
@@ -168,7 +169,10 @@ def ls(
     """List sandboxes."""
     params: dict[str, Any] = {"state": state or ALL_STATES}
     if metadata:
-        params["metadata"] = [f"{k}={v}" for k, v in parse_pairs(metadata, "--metadata").items()]
+        # E2B's filter encoding, as the SDKs send it: each key and value quoted, then the pairs
+        # URL-encoded, so '=', '&' and '%' inside them stay part of them.
+        params["metadata"] = urlencode({quote(k, safe=""): quote(v, safe="")
+                                        for k, v in parse_pairs(metadata, "--metadata").items()})
     with client_for(ctx) as client:
         rows = client.call("GET", "/sandboxes", params=params)
     render(choose_format(ctx, output), rows, SANDBOX_COLUMNS, empty="no sandboxes")

@@ -736,7 +736,10 @@ class Orchestrator:
             live = self._require(sandbox_id, {State.RUNNING})
             assert live.slot is not None
             await set_egress(live.slot, net["allowOut"], net["denyOut"])
-            live.record = live.record.with_(options={**live.record.options, "network": net})
+            # The create-time allowInternetAccess no longer describes the rules: the sandbox's
+            # detail derives it from the lists from now on.
+            options = {k: v for k, v in live.record.options.items() if k != "allowInternetAccess"}
+            live.record = live.record.with_(options={**options, "network": net})
             await self.store.put(live.record)
         return live.record
 

@@ -26,7 +26,8 @@ from agentenv.api.models import (
     TimeoutRequest,
 )
 from agentenv.api.routes import orch_of
-from agentenv.errors import InvalidRequest, RequestError
+from agentenv.envd_client import EnvdError
+from agentenv.errors import InvalidRequest, PlatformError, RequestError
 from agentenv.orchestrator import Orchestrator, SandboxRecord, State
 from agentenv.orchestrator.idempotency import OPTION as IDEMPOTENCY
 from agentenv.orchestrator.ids import new_access_token
@@ -231,7 +232,7 @@ async def sandboxes_metrics(request: Request, sandbox_ids: str = Query(min_lengt
     async def latest(sid: str) -> tuple[str, dict[str, Any] | None]:
         try:
             points = await orch.metrics(sid)
-        except RequestError:  # unknown or not running: left out
+        except (RequestError, PlatformError, EnvdError):  # unknown, not running, unreachable: left out
             return sid, None
         return sid, SandboxMetric.of(points[-1]).model_dump() if points else None
 
