@@ -72,6 +72,7 @@ class Settings:
     # command, and the largest COPY upload accepted.
     max_builds: int = 2
     build_ready_timeout_s: float = 120.0
+    build_step_timeout_s: float = 3600.0  # a RUN step that runs longer fails the build
     build_upload_max_mb: int = 1024
 
     @classmethod
@@ -110,6 +111,7 @@ class Settings:
             tls_key=Path(os.environ["AENV_TLS_KEY"]) if os.environ.get("AENV_TLS_KEY") else None,
             max_builds=int(_env("AENV_MAX_BUILDS", str(d.max_builds))),
             build_ready_timeout_s=float(_env("AENV_BUILD_READY_TIMEOUT", str(d.build_ready_timeout_s))),
+            build_step_timeout_s=float(_env("AENV_BUILD_STEP_TIMEOUT", str(d.build_step_timeout_s))),
             build_upload_max_mb=int(_env("AENV_BUILD_UPLOAD_MAX_MB", str(d.build_upload_max_mb))),
         )
         s.validate()

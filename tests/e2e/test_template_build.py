@@ -28,7 +28,8 @@ HTTP_READY = '[ -n "$(ss -Htuln sport = :8000)" ]'  # what the E2B SDK's wait_fo
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Its own node: one test restarts it."""
-    s = ServerProcess(tmp_path_factory.mktemp("buildnode") / "data", node_cidr(27, 24))
+    s = ServerProcess(tmp_path_factory.mktemp("buildnode") / "data", node_cidr(27, 24),
+                      AENV_BUILD_STEP_TIMEOUT="20")
     s.start()
     yield s
     s.kill_all()
@@ -223,6 +224,60 @@ def test_ready_command_that_never_succeeds_fails_after_its_bound(api: httpx.Clie
     assert "ready command did not succeed within 3" in msg and "not-ready-yet" in msg, msg
     assert time.monotonic() - t0 < 60
     assert build_sandboxes(api) == []
+
+
+def test_a_run_step_that_never_ends_fails_the_build_after_its_bound(api: httpx.Client) -> None:
+    """A RUN step had no bound: a hung command held the build (and one of the node's build
+    slots) for the 24 h life of its sandbox, and the template could not even be deleted."""
+    t0 = time.monotonic()
+    st, entries, _ = build(api, "tb-hang", {"steps": [{"type": "RUN", "args": ["echo started; sleep 100000"]}]})
+    assert st["status"] == "error", messages(entries)[-10:]
+    msg = st["reason"]["message"]
+    assert "did not finish within 20 s (AENV_BUILD_STEP_TIMEOUT)" in msg and "started" in msg, msg
+    assert st["reason"]["step"] == "1"
+    assert time.monotonic() - t0 < 120
+    assert build_sandboxes(api) == []
+
+
+def test_a_damaged_built_template_is_rebuilt_not_republished(api: httpx.Client, node: ServerProcess) -> None:
+    """A host crash can leave a built template's layers short (they were not fsynced before its
+    durable manifest). An unchanged rebuild then answered "CACHED finalize" and republished the
+    broken checkpoint; a build on top of it failed with "internal error: AssertionError()"."""
+    body: dict[str, Any] = {"steps": [{"type": "RUN", "args": ["echo built > /home/user/b.txt"]}]}
+    st, entries, _ = build(api, "tb-damaged", json.loads(json.dumps(body)))
+    assert st["status"] == "ready", messages(entries)[-10:]
+    repo = node.data_dir / "repository"
+    manifest = next(json.loads(p.read_text()) for p in (repo / "manifests").glob("*.json")
+                    if json.loads(p.read_text()).get("kind") == "template"
+                    and json.loads(p.read_text()).get("name") == "tb-damaged")
+    device = repo / "layers" / manifest["device"]["name"]
+    device.chmod(0o644)
+    device.write_bytes(b"")  # what a crash before write-back leaves
+    assert api.post("/sandboxes", json={"templateID": "tb-damaged"}).status_code == 422
+
+    tid, bid = request_build(api, "tb-on-damaged")
+    r = api.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromTemplate": "tb-damaged", "steps": [
+        {"type": "RUN", "args": ["true"]}]})
+    assert r.status_code == 202, r.text
+    st, entries = wait_build(api, tid, bid)
+    assert st["status"] == "error" and st["reason"]["step"] == "base", st
+    assert "base template 'tb-damaged'" in st["reason"]["message"], st["reason"]
+
+    st, entries, _ = build(api, "tb-damaged", json.loads(json.dumps(body)))  # unchanged
+    assert st["status"] == "ready", messages(entries)[-10:]
+    assert not any(m.startswith("CACHED finalize") for m in messages(entries)), messages(entries)
+    sid = api.post("/sandboxes", json={"templateID": "tb-damaged"}).json()["sandboxID"]
+    try:
+        assert run(api, sid, "cat /home/user/b.txt")["stdout"] == "built\n"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+    # force (the SDK's skip_cache) builds again even with no steps at all
+    st, entries, _ = build(api, "tb-nosteps", {"steps": []})
+    assert st["status"] == "ready", messages(entries)[-10:]
+    st, entries, _ = build(api, "tb-nosteps", {"steps": [], "force": True})
+    assert st["status"] == "ready", messages(entries)[-10:]
+    assert not any(m.startswith("CACHED finalize") for m in messages(entries)), messages(entries)
 
 
 def test_deleting_a_template_keeps_its_running_sandboxes(api: httpx.Client) -> None:

@@ -168,3 +168,30 @@ def test_copy_upload_is_a_tar_relative_to_the_context_and_its_hash_follows_conte
     assert files_hash(tmp_path, "sub", "/app/") != h1
     with pytest.raises(BuildFileError):
         files_hash(tmp_path, "missing", "/x")
+
+
+def test_a_long_build_log_keeps_the_offsets_the_sdk_polls_by() -> None:
+    """The SDKs read the log by absolute offset. Dropping entries from the front past the cap
+    shifted every offset: a client skipped lines, the final "Build finished" among them. Now
+    the log stops growing at the cap (once noted) and still takes the outcome's lines."""
+    from types import SimpleNamespace
+
+    from agentenv.orchestrator.builds.records import BuildRecord
+    from agentenv.orchestrator.builds.runner import (
+        LOG_TRUNCATED,
+        MAX_LOG_ENTRIES,
+        Builds,
+    )
+
+    runner = SimpleNamespace(_saved_at={}, _save=lambda b: None)  # the log's bookkeeping only
+    b = BuildRecord(build_id="b1", template_id="t")
+    received: list[str] = []
+    for i in range(MAX_LOG_ENTRIES + 10_000):
+        Builds._log(runner, b, f"line {i}", step="1")  # type: ignore[arg-type]
+        if i % 997 == 0:  # a client polling as it goes
+            received += [e.message for e in Builds.entries(b, len(received), 1000)]
+    Builds._log(runner, b, "Build finished", step="finalize")  # type: ignore[arg-type]
+    while batch := [e.message for e in Builds.entries(b, len(received), 1000)]:
+        received += batch
+    assert received[:MAX_LOG_ENTRIES] == [f"line {i}" for i in range(MAX_LOG_ENTRIES)]
+    assert received[MAX_LOG_ENTRIES:] == [LOG_TRUNCATED, "Build finished"]

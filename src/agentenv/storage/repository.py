@@ -203,7 +203,7 @@ class SnapshotRepository:
         """Publish a manifest atomically: readers see the old one or the complete new one.
         ``durable`` also fsyncs it (and the directory) so it survives a host crash; a pause or
         fork manifest only needs to survive the server, and skips the disk round trips."""
-        tmp = self.staging / f"{cp.id}.json.tmp"
+        tmp = self.staging / f"{cp.id}.{os.urandom(4).hex()}.json.tmp"  # concurrent puts of one id
         with open(tmp, "w") as f:
             json.dump(cp.to_json(), f, indent=1)
             if durable:
@@ -219,16 +219,24 @@ class SnapshotRepository:
         """fsync a published checkpoint's layers, then its manifest and the manifests directory:
         after a host crash its manifest is there only if its layers are. Layers collected
         meanwhile are skipped (the checkpoint was deleted)."""
-        for ref in cp.layers():
-            try:
-                fsync_path(self.layers / ref.name)
-            except FileNotFoundError:
-                continue
+        self._sync_layers(cp)
         try:
             fsync_path(self.manifests / f"{cp.id}.json")
         except FileNotFoundError:
             return
         fsync_path(self.manifests)
+
+    def put_durably(self, cp: Checkpoint) -> None:
+        """``put`` a manifest that must survive a host crash, its layers fsynced first."""
+        self._sync_layers(cp)
+        self.put(cp, True)
+
+    def _sync_layers(self, cp: Checkpoint) -> None:
+        for ref in cp.layers():
+            try:
+                fsync_path(self.layers / ref.name)
+            except FileNotFoundError:
+                continue
 
     def get(self, id_or_name: str) -> Checkpoint:
         if not NAME_RE.fullmatch(id_or_name):

@@ -85,11 +85,20 @@ class TemplateEntry:
         return cls(**d)
 
 
-def _write(path: Path, data: dict[str, Any]) -> None:
+def _write(path: Path, data: dict[str, Any], durable: bool = False) -> None:
     tmp = path.with_suffix(".json.tmp")
     with open(tmp, "w") as f:
         json.dump(data, f)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+    if durable:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class BuildFiles:
@@ -117,7 +126,7 @@ class BuildFiles:
         (self.root / f"{build_id}.json").unlink(missing_ok=True)
 
     def put_template(self, t: TemplateEntry) -> None:
-        _write(self.templates_dir / f"{t.template_id}.json", t.to_json())
+        _write(self.templates_dir / f"{t.template_id}.json", t.to_json(), durable=True)  # names a durable checkpoint
 
     def templates(self) -> list[TemplateEntry]:
         out = []

@@ -62,6 +62,8 @@ STEP_KIND = "build-step"  # repository checkpoints of the layer cache (not liste
 TEMPLATE_KIND = "template"  # a built template's checkpoint, named after the template
 BUILD_META = "agentenv.build"  # metadata key marking a build's temporary sandbox
 MAX_LOG_ENTRIES = 20000
+LOG_TRUNCATED = f"(the build log is cut here: more than {MAX_LOG_ENTRIES} lines; further output is not kept)"
+
 
 class BuildNotFound(NotFound):
     def __init__(self, template_id: str, build_id: str) -> None:
@@ -267,9 +269,17 @@ class Builds(GuestSteps):
     # -- records --------------------------------------------------------------------------
 
     def _log(self, b: BuildRecord, message: str, *, level: str = "info", step: str | None = None) -> None:
+        # The SDKs poll by absolute offset: entries are never dropped from the front (that
+        # shifted every offset, and they skipped lines, the final one among them). Past the
+        # cap a step's output stops being kept, once noted; errors and the finalize lines
+        # (the build's outcome) still are, up to a hard bound.
+        if len(b.logs) >= MAX_LOG_ENTRIES:
+            important = level == "error" or step in ("finalize", "base")
+            if not important or len(b.logs) >= MAX_LOG_ENTRIES + 1000:
+                if not any(e.message == LOG_TRUNCATED for e in b.logs[MAX_LOG_ENTRIES:]):  # once
+                    b.logs.append(LogEntry(time.time(), LOG_TRUNCATED, "warn", step))
+                return
         b.logs.append(LogEntry(time.time(), message, level, step))
-        if len(b.logs) > MAX_LOG_ENTRIES:
-            del b.logs[: len(b.logs) - MAX_LOG_ENTRIES]
         if time.monotonic() - self._saved_at.get(b.build_id, 0.0) >= 1.0:
             self._save(b)
 
@@ -284,6 +294,7 @@ class Builds(GuestSteps):
 
     async def _run(self, b: BuildRecord, spec: BuildSpec) -> None:
         sid: str | None = None
+        at = "base"  # the step a platform error is reported at
         t0 = time.monotonic()
         try:
             if self._sem is None:
@@ -294,7 +305,7 @@ class Builds(GuestSteps):
                 final_key = hashlib.sha256(json.dumps(
                     [keys[-1] if keys else base.identity, base.vcpus, base.memory_mb, spec.start_cmd,
                      spec.ready_cmd]).encode()).hexdigest()
-                if self._reuse_final(b, spec, final_key):
+                if await self._reuse_final(b, spec, final_key):
                     return
                 configs = spec.configs()
                 start_at, cached = -1, None
@@ -305,7 +316,8 @@ class Builds(GuestSteps):
                 try:
                     sid = await self._sandbox(b, base, cached)
                 except SnapshotUnusable as exc:  # a cache entry that cannot be restored: drop it
-                    assert cached is not None
+                    if cached is None:  # the base itself (a built template) cannot be restored
+                        raise StepFailed(f"base template '{base.name}': {exc.message}", "base") from None
                     self._log(b, f"cache entry unusable ({exc.message}); building without it", level="warn")
                     self.orch.repo.delete(cached.id)
                     start_at, cached = -1, None
@@ -318,6 +330,7 @@ class Builds(GuestSteps):
                 cfg = Config()
                 ensured: set[str] = set()
                 for i, step in enumerate(spec.steps):
+                    at = str(i + 1)
                     label = f"[{i + 1}/{n}] {step.describe()}"
                     if i <= start_at:
                         cfg = configs[i]
@@ -334,6 +347,7 @@ class Builds(GuestSteps):
                         b.cache.append(cp.id)
                         self._log(b, f"step {i + 1} done in {time.monotonic() - ts:.1f}s (cached as {cp.id})",
                                   level="debug", step=str(i + 1))
+                at = "finalize"
                 await self._finalize(b, sid, spec, cfg, shell, ensured, final_key)
                 b.status = "ready"
                 self._log(b, f"Build finished in {time.monotonic() - t0:.1f}s: template '{b.template_id}' "
@@ -343,8 +357,8 @@ class Builds(GuestSteps):
         except asyncio.CancelledError:
             self._error(b, "server restarted during the build", "finalize")
             raise
-        except AgentenvError as exc:
-            self._error(b, exc.message, "base" if sid is None else "finalize")
+        except AgentenvError as exc:  # e.g. a full disk while a step's checkpoint is saved
+            self._error(b, exc.message, at)
         except Exception as exc:
             log.exception("build %s failed", b.build_id)
             self._error(b, f"internal error: {exc!r}", "finalize")
@@ -430,15 +444,21 @@ class Builds(GuestSteps):
 
         return await _checkpoint(self.orch, self.orch._live[sid], State.SNAPSHOTTING, kind, name)
 
-    def _reuse_final(self, b: BuildRecord, spec: BuildSpec, final_key: str) -> bool:
+    async def _reuse_final(self, b: BuildRecord, spec: BuildSpec, final_key: str) -> bool:
         """An identical rebuild (same base, steps, start and ready commands; nothing forced):
-        the template's checkpoint is published again under the new build id."""
+        the template's checkpoint is published again under the new build id, if its layers
+        are whole (a host crash may have damaged them: then the build runs, and repairs it)."""
         old = self._templates.get(b.template_id)
-        if old is None or old.final_key != final_key or spec.reusable_until() < len(spec.steps):
+        if old is None or old.final_key != final_key or spec.force or spec.reusable_until() < len(spec.steps):
             return False
         try:
             cp = self.orch.repo.get(old.checkpoint)
+            await asyncio.to_thread(self.orch.repo.verify, cp)
         except NotFound:
+            return False
+        except SnapshotUnusable as exc:
+            self._log(b, f"the template's last build is unusable ({exc.message}); building it again",
+                      level="warn", step="base")
             return False
         for i, step in enumerate(spec.steps):
             self._log(b, f"CACHED [{i + 1}/{len(spec.steps)}] {step.describe()}", step=str(i + 1))
@@ -478,7 +498,9 @@ class Builds(GuestSteps):
         self._log(b, "Snapshotting the sandbox (memory, processes and disk)", step=step)
         cp = await self._checkpoint(sid, TEMPLATE_KIND, b.template_id)
         cp = cp.with_(env_vars=dict(cfg.env), metadata={}, default_user=cfg.user, default_workdir=cfg.workdir)
-        await asyncio.to_thread(self.orch.repo.put, cp, True)
+        # Layers on disk before the manifest that names them (a host crash must not leave a
+        # durable template over layers still in the page cache).
+        await asyncio.to_thread(self.orch.repo.put_durably, cp)
         self._publish(b, spec, cp, cfg, final_key)
         await self.orch.gc()
 

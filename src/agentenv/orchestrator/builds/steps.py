@@ -144,8 +144,16 @@ class GuestSteps:
             if step.type == "RUN":
                 await self._ensure_workdir(sid, cfg, ensured)
                 user = step.args[1] if len(step.args) > 1 else cfg.user
-                code = await self._run_logged(b, sid, self._argv(shell, step.args[0]), step=name, cfg=cfg,
-                                              user=user, tail=tail)
+                bound = self.orch.settings.build_step_timeout_s
+                try:
+                    code = await self._run_logged(b, sid, self._argv(shell, step.args[0]), step=name, cfg=cfg,
+                                                  user=user, tail=tail, timeout=bound)
+                except EnvdError as exc:
+                    if exc.code != "deadline_exceeded":
+                        raise
+                    out = "\n".join(tail) or "(no output)"
+                    raise StepFailed(f"{what} did not finish within {bound:.0f} s (AENV_BUILD_STEP_TIMEOUT); "
+                                     f"last output:\n{out}", name) from None
                 if code != 0:
                     out = "\n".join(tail) or "(no output)"
                     raise StepFailed(f"{what} failed with exit code {code}; last output:\n{out}", name)
