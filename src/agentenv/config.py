@@ -53,6 +53,8 @@ class Settings:
     tcg_cpu: str = DEFAULT_TCG_CPU  # QEMU -cpu under TCG for new template snapshots (see above)
     guest_aslr: bool = False  # under TCG, ASLR in the guest makes every exec 2-3x slower
     ksm: bool = False  # merge identical pages across QEMU processes (one tenant only: vmm/ksm.py)
+    dns: bool = True  # guests resolve names through the host's forwarder (network/dns.py)
+    dns_upstream: str = ""  # comma-separated resolvers for it; default: the host's /etc/resolv.conf
     max_fork: int = 20  # children per fork call (the E2B SDKs allow up to 20)
     max_memory_layers: int = 8  # a longer memory chain is compacted into one layer
     max_disk_layers: int = 16  # a longer disk chain is streamed into the sandbox's overlay
@@ -105,6 +107,8 @@ class Settings:
             tcg_cpu=_env("AENV_TCG_CPU", d.tcg_cpu) or d.tcg_cpu,
             guest_aslr=_env("AENV_GUEST_ASLR", "0") in ("1", "true", "on"),
             ksm=_env("AENV_KSM", "0") in ("1", "true", "on"),
+            dns=_env("AENV_DNS", "on") not in ("0", "false", "off"),
+            dns_upstream=_env("AENV_DNS_UPSTREAM", ""),
             faults=frozenset(f for f in _env("AENV_FAULTS", "").split(",") if f),
             domain=os.environ.get("AENV_DOMAIN") or None,
             tls_cert=Path(os.environ["AENV_TLS_CERT"]) if os.environ.get("AENV_TLS_CERT") else None,

@@ -16,6 +16,8 @@ $bb mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null
 
 arg() { $bb sed -n "s/.*\\baenv\\.$1=\\([^ ]*\\).*/\\1/p" /proc/cmdline; }
 GIP=$(arg ip); GW=$(arg gw); DNS=$(arg dns)
+# The namespace sends DNS for the gateway to the host's forwarder (network/dns.py).
+DNS=${DNS:-${GW:-169.254.0.22}}
 $bb hostname sandbox
 $bb ip link set lo up
 if $bb ip link show eth0 >/dev/null 2>&1; then

@@ -5,6 +5,7 @@ reaches guest N through the namespace side of its veth pair, which DNATs to the 
 docs/mechanisms/networking.md.
 """
 
+from agentenv.network.dns import DnsForwarder, host_resolvers, parse_upstreams
 from agentenv.network.rules import egress_cidrs
 from agentenv.network.slots import (
     Slot,
@@ -15,5 +16,5 @@ from agentenv.network.slots import (
     set_egress,
 )
 
-__all__ = ["Slot", "SlotPool", "egress_cidrs", "host_firewall_up", "remove_node_network",
-           "remove_slots_in", "set_egress"]
+__all__ = ["DnsForwarder", "Slot", "SlotPool", "egress_cidrs", "host_firewall_up", "host_resolvers",
+           "parse_upstreams", "remove_node_network", "remove_slots_in", "set_egress"]

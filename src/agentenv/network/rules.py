@@ -22,12 +22,18 @@ ALWAYS_DENIED = (
 )
 
 
-def namespace_ruleset(ns_addr: str) -> str:
+def namespace_ruleset(ns_addr: str, dns_addr: str | None = None) -> str:
     """Inside one sandbox namespace: DNAT host→guest, masquerade guest→out, deny private ranges.
     A packet from the guest with any source but the guest's own address is dropped: forged
     sources would leave un-NATed (spoofed traffic from this host) or, as another slot's
-    address, open a path to that sandbox through an outside relay."""
+    address, open a path to that sandbox through an outside relay. With ``dns_addr``, DNS
+    sent to the guest's gateway goes to the host's forwarder there (network/dns.py), the one
+    host address a guest reaches, on port 53 only and whatever its egress policy."""
     denied = ", ".join(ALWAYS_DENIED)
+    dns_dnat = (f'iifname "tap0" ip daddr {GUEST_GW} meta l4proto {{ udp, tcp }} th dport 53 dnat to {dns_addr}'
+                if dns_addr else "")
+    dns_accept = (f'iifname "tap0" oifname "vpeer" ip daddr {dns_addr} meta l4proto {{ udp, tcp }} th dport 53 accept'
+                  if dns_addr else "")
     return f"""
 table ip aenv {{
   chain egress {{
@@ -35,6 +41,7 @@ table ip aenv {{
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname "vpeer" ip daddr {ns_addr} dnat to {GUEST_ADDR}
+    {dns_dnat}
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
@@ -45,6 +52,7 @@ table ip aenv {{
     iifname "tap0" ip saddr != {GUEST_ADDR} drop
     ct state established,related accept
     iifname "vpeer" oifname "tap0" ip daddr {GUEST_ADDR} accept
+    {dns_accept}
     iifname "tap0" oifname "vpeer" ip daddr {{ {denied} }} drop
     iifname "tap0" oifname "vpeer" jump egress
     iifname "tap0" oifname "vpeer" accept
@@ -58,13 +66,17 @@ table ip aenv {{
 """
 
 
-def host_ruleset(table: str, ifprefix: str, slot_cidr: str) -> str:
-    """On the host: sandboxes reach neither each other nor the host; outbound is masqueraded."""
+def host_ruleset(table: str, ifprefix: str, slot_cidr: str, dns_addr: str | None = None) -> str:
+    """On the host: sandboxes reach neither each other nor the host (but its DNS forwarder on
+    port 53); outbound is masqueraded."""
+    dns = (f'iifname "{ifprefix}*" ip daddr {dns_addr} meta l4proto {{ udp, tcp }} th dport 53 accept'
+           if dns_addr else "")
     return f"""
 table inet {table} {{
   chain input {{
     type filter hook input priority filter; policy accept;
     iifname "{ifprefix}*" ct state established,related accept
+    {dns}
     iifname "{ifprefix}*" drop
   }}
   chain forward {{

@@ -34,6 +34,7 @@ class Slot:
     veth: str  # host-side interface
     host_addr: str
     ns_addr: str  # the host reaches the guest at this address
+    dns_addr: str | None = None  # the host's DNS forwarder, which the namespace sends DNS to
 
     @property
     def guest_url(self) -> str:
@@ -47,8 +48,9 @@ class Slot:
 class SlotPool:
     """Allocates slot indices and keeps ``target`` slots ready to hand out."""
 
-    def __init__(self, tag: str, cidr: str, target: int) -> None:
+    def __init__(self, tag: str, cidr: str, target: int, dns: bool = True) -> None:
         self.tag = tag
+        self.dns = dns  # namespaces send their guest's DNS to the host's forwarder
         self.net = ipaddress.ip_network(cidr)
         self.capacity = self.net.num_addresses // 4 - 1  # /30 number 0 is never used
         self.target = min(target, self.capacity // 2)  # a small block keeps room for sandboxes
@@ -60,6 +62,11 @@ class SlotPool:
     def ifprefix(self) -> str:
         return _ifprefix(self.tag)
 
+    @property
+    def dns_addr(self) -> str:
+        """The forwarder's address: the first of /30 number 0, which no slot uses."""
+        return str(self.net.network_address + 1)
+
     def slot(self, index: int) -> Slot:
         base = int(self.net.network_address) + 4 * index
         return Slot(
@@ -68,6 +75,7 @@ class SlotPool:
             veth=f"{self.ifprefix}{index}",
             host_addr=str(ipaddress.ip_address(base + 1)),
             ns_addr=str(ipaddress.ip_address(base + 2)),
+            dns_addr=self.dns_addr if self.dns else None,
         )
 
     def mark_used(self, index: int) -> None:
@@ -124,6 +132,10 @@ def _ifprefix(tag: str) -> str:
     return f"ae{tag[:4]}"
 
 
+def _dns_label(tag: str) -> str:
+    return f"lo:{_ifprefix(tag)}"
+
+
 def _netns_prefix(tag: str) -> str:
     return f"aenv-{tag[:4]}-"
 
@@ -166,7 +178,7 @@ async def create_slot(slot: Slot) -> Slot:
         f"neigh replace {GUEST_ADDR} lladdr {GUEST_MAC} dev tap0 nud permanent\n"
         "EOF\n"
         "nft -f - <<'EOF'\n"
-        f"{namespace_ruleset(slot.ns_addr)}\n"
+        f"{namespace_ruleset(slot.ns_addr, slot.dns_addr)}\n"
         "EOF\n"
     )
     try:
@@ -196,15 +208,23 @@ async def _destroy(veth: str, netns: str) -> None:
     await run(["ip", "netns", "del", netns], check=False)
 
 
-async def host_firewall_up(tag: str, ifprefix: str, cidr: str) -> None:
+async def host_firewall_up(tag: str, ifprefix: str, cidr: str, dns_addr: str | None = None) -> None:
     """Install the host table (idempotent) and enable forwarding for outbound traffic. The old
     table (a restart) is replaced in the same transaction: its sandboxes, which outlive the
-    server, are never without the rules that keep them apart."""
+    server, are never without the rules that keep them apart. With ``dns_addr``, that address
+    is put on the host for the DNS forwarder to listen on."""
     table = f"aenv_{tag[:4]}"
     replace = f"add table inet {table}\ndelete table inet {table}\n"
     try:
-        await run(["nft", "-f", "-"], input=(replace + host_ruleset(table, ifprefix, cidr)).encode())
+        await run(["nft", "-f", "-"], input=(replace + host_ruleset(table, ifprefix, cidr, dns_addr)).encode())
         await run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        # The forwarder's address on the loopback device, labelled as this node's (kernels
+        # without the dummy driver are common in VMs); an earlier run's, maybe of another
+        # CIDR, goes first.
+        await run(["ip", "addr", "flush", "dev", "lo", "label", _dns_label(tag)], check=False)
+        if dns_addr:  # (a node killed earlier may have left it under another label)
+            await run(["ip", "addr", "del", f"{dns_addr}/32", "dev", "lo"], check=False)
+            await run(["ip", "addr", "add", f"{dns_addr}/32", "dev", "lo", "label", _dns_label(tag)])
     except ExternalCommandError as exc:
         raise NetworkError(
             f"cannot install host firewall (AgentENV needs root / CAP_NET_ADMIN): {exc.message}"
@@ -213,6 +233,7 @@ async def host_firewall_up(tag: str, ifprefix: str, cidr: str) -> None:
 
 async def host_firewall_down(tag: str) -> None:
     await run(["nft", "delete", "table", "inet", f"aenv_{tag[:4]}"], check=False)
+    await run(["ip", "addr", "flush", "dev", "lo", "label", _dns_label(tag)], check=False)
 
 
 async def remove_node_network(tag: str) -> list[str]:

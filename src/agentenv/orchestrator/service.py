@@ -22,6 +22,7 @@ from agentenv.errors import (
     GuestError,
     GuestUnresponsive,
     InvalidRequest,
+    NetworkError,
     PlatformError,
     SandboxNotFound,
     SandboxStateError,
@@ -29,7 +30,15 @@ from agentenv.errors import (
     StorageError,
 )
 from agentenv.images.registry import RegistrySettings
-from agentenv.network import SlotPool, egress_cidrs, host_firewall_up, set_egress
+from agentenv.network import (
+    DnsForwarder,
+    SlotPool,
+    egress_cidrs,
+    host_firewall_up,
+    host_resolvers,
+    parse_upstreams,
+    set_egress,
+)
 from agentenv.orchestrator import leftovers, parking, pulling
 from agentenv.orchestrator.capacity import below_reserve, memory_shortfall
 from agentenv.orchestrator.checkpoints import Checkpointer
@@ -75,7 +84,8 @@ class Orchestrator:
         self.sandboxes_dir = settings.data_dir / "sandboxes"
         self.store = Store(settings.db_path)
         self.catalog = TemplateCatalog(settings.data_dir / "templates")
-        self.slots = SlotPool(settings.instance_tag, settings.slot_cidr, settings.slot_pool_size)
+        self.slots = SlotPool(settings.instance_tag, settings.slot_cidr, settings.slot_pool_size, dns=settings.dns)
+        self.dns: DnsForwarder | None = None
         self.snapshots = SnapshotBuilder(
             root=settings.data_dir / "templates", mem_dir=settings.mem_dir, sock_dir=settings.sock_dir,
             slots=self.slots,
@@ -120,7 +130,10 @@ class Orchestrator:
         await asyncio.to_thread(leftovers.record_owner, self.settings)
         await leftovers.remove_leftovers(self.settings)
         await asyncio.to_thread(pulling.remove_interrupted, self.settings.data_dir / "images")
-        await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr)
+        dns_addr = self.slots.dns_addr if self.settings.dns else None
+        await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr, dns_addr)
+        if dns_addr is not None:
+            await self._start_dns(dns_addr)
         await recover(self)
         await self.builds.start()
         self.pool.start()
@@ -128,6 +141,21 @@ class Orchestrator:
         self._tasks.append(asyncio.create_task(self._reaper(), name="ttl-reaper"))
         self._tasks.append(asyncio.create_task(self._slot_keeper(), name="slot-keeper"))
         self._tasks.append(asyncio.create_task(parking.keeper(self), name="parked-keeper"))
+
+    async def _start_dns(self, listen: str) -> None:
+        try:
+            upstreams = parse_upstreams(self.settings.dns_upstream) or host_resolvers()
+        except ValueError as exc:
+            raise NetworkError(str(exc)) from None
+        if not upstreams:
+            log.warning("no DNS resolver in /etc/resolv.conf and none in AENV_DNS_UPSTREAM: guests cannot resolve names")
+            return
+        self.dns = DnsForwarder(listen, upstreams)
+        try:
+            await self.dns.start()
+        except OSError as exc:
+            raise NetworkError(f"cannot start the guests' DNS forwarder on {listen}:53: {exc}; "
+                               "set AENV_DNS=off to run without it") from exc
 
     async def stop(self) -> None:
         """Leave running sandboxes running (they are adopted on the next start), or pause them
@@ -143,6 +171,8 @@ class Orchestrator:
             except asyncio.CancelledError:
                 pass
         await asyncio.gather(*self._cleanups, return_exceptions=True)
+        if self.dns is not None:
+            await self.dns.close()
         await self.pool.stop()
         await self.slots.drain()
         for live in self._live.values():
