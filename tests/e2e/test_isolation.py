@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.e2e.conftest import ns_addr, run
 from tests.framework.net import node_cidr
@@ -89,3 +90,24 @@ def test_a_guest_sends_nothing_out_before_its_sandbox_has_a_policy(tmp_path: Pat
             assert run(api, sid, "echo ok")["stdout"] == "ok\n"
     finally:
         s.kill_all()
+
+
+def test_a_node_refuses_a_slot_cidr_another_user_holds(tmp_path: Path) -> None:
+    """Two nodes left at the default slot CIDR gave their sandboxes the same addresses without
+    a word, and one node's traffic went to the other's guests. Now the second one refuses to
+    start, naming the setting; once the address is gone it starts."""
+    cidr = node_cidr(43)
+    held = cidr.split("/")[0].rsplit(".", 1)[0] + ".9/30"
+    subprocess.run(["ip", "link", "add", "xcidr0", "type", "veth", "peer", "name", "xcidr1"], check=True)
+    try:
+        subprocess.run(["ip", "addr", "add", held, "dev", "xcidr0"], check=True)
+        node = ServerProcess(tmp_path / "data", cidr)
+        with pytest.raises(RuntimeError) as err:
+            node.start()
+        assert f"the slot CIDR {cidr} is in use on this host" in str(err.value)
+        assert "AENV_SLOT_CIDR" in str(err.value)
+    finally:
+        subprocess.run(["ip", "link", "del", "xcidr0"], check=False)
+    node = ServerProcess(tmp_path / "data2", cidr)
+    node.start()
+    node.kill_all()

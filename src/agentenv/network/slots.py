@@ -215,6 +215,7 @@ async def host_firewall_up(tag: str, ifprefix: str, cidr: str, dns_addr: str | N
     is put on the host for the DNS forwarder to listen on."""
     table = f"aenv_{tag[:4]}"
     replace = f"add table inet {table}\ndelete table inet {table}\n"
+    await _refuse_shared_cidr(tag, ifprefix, cidr)
     try:
         await run(["nft", "-f", "-"], input=(replace + host_ruleset(table, ifprefix, cidr, dns_addr)).encode())
         await run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
@@ -229,6 +230,27 @@ async def host_firewall_up(tag: str, ifprefix: str, cidr: str, dns_addr: str | N
         raise NetworkError(
             f"cannot install host firewall (AgentENV needs root / CAP_NET_ADMIN): {exc.message}"
         ) from exc
+
+
+async def _refuse_shared_cidr(tag: str, ifprefix: str, cidr: str) -> None:
+    """Two nodes on one host with the same slot CIDR (both left at the default) gave their
+    sandboxes the same addresses, and one node's traffic reached the other's guests. An
+    address of the CIDR on an interface that is not this node's means another user of it."""
+    net = ipaddress.ip_network(cidr)
+    out = await run(["ip", "-4", "-o", "addr"], check=False)
+    for line in out.splitlines():
+        fields = line.split("\\")[0].split()  # "N: dev inet ADDR ... scope S LABEL\ valid_lft ..."
+        if len(fields) < 4 or fields[2] != "inet":
+            continue
+        dev, label = fields[1].split("@")[0], fields[-1]
+        addr = ipaddress.ip_interface(fields[3])
+        if addr.ip in net and not dev.startswith(ifprefix) and label != _dns_label(tag):
+            if label.startswith("lo:ae") or dev.startswith("ae"):
+                what = f"another AgentENV node ({label})"
+            else:
+                what = f"interface {label}"
+            raise NetworkError(f"the slot CIDR {cidr} is in use on this host: {addr} on {what}; give each node "
+                               "its own AENV_SLOT_CIDR (or remove what holds that address)")
 
 
 async def host_firewall_down(tag: str) -> None:
@@ -258,10 +280,13 @@ def remove_slots_in(cidr: str) -> list[str]:
     removed = []
     out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, check=False, text=True).stdout
     for line in out.splitlines():
-        dev, addr = line.split()[1].split("@")[0], line.split()[3]
+        dev, addr, label = line.split()[1].split("@")[0], line.split()[3], line.split("\\")[0].split()[-1]
         if dev.startswith("ae") and ipaddress.ip_interface(addr).ip in net:
             subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
             removed.append(dev)
+        elif dev == "lo" and label.startswith("lo:ae") and ipaddress.ip_interface(addr).ip in net:  # a DNS address
+            subprocess.run(["ip", "addr", "del", addr, "dev", "lo"], capture_output=True, check=False)
+            removed.append(label)
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, check=False, text=True).stdout
     for line in names.splitlines():
         ns = line.split()[0] if line.strip() else ""

@@ -120,6 +120,10 @@ class Builds(GuestSteps):
                     await self.orch.kill(rec.id)
                 except SandboxNotFound:
                     pass
+        # Uploads a crash cut short (up to AENV_BUILD_UPLOAD_MAX_MB each; none is in progress yet).
+        for part in self.uploads.glob(".*.part") if self.uploads.is_dir() else ():
+            part.unlink(missing_ok=True)
+            log.info("removed interrupted upload %s", part.name)
         await self._prune()
 
     async def stop(self) -> None:
