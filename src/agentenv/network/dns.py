@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 QUERY_TIMEOUT_S = 4.0  # per upstream; the guest's resolver retries after 5 s
 MAX_INFLIGHT = 512  # UDP queries being relayed at once; more are dropped (the client retries)
+MAX_TCP_CLIENTS = 128  # TCP connections served at once; more are closed (a guest cannot use up our descriptors)
 MAX_MESSAGE = 65535
 TCP_IDLE_S = 10.0
 
@@ -62,6 +63,7 @@ class DnsForwarder:
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self._inflight: set[asyncio.Task[None]] = set()
+        self._tcp_clients = 0
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -112,6 +114,10 @@ class DnsForwarder:
     # -- TCP ---------------------------------------------------------------------------------
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._tcp_clients >= MAX_TCP_CLIENTS:
+            writer.close()
+            return
+        self._tcp_clients += 1
         try:
             while True:
                 async with asyncio.timeout(TCP_IDLE_S):
@@ -125,6 +131,7 @@ class DnsForwarder:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self._tcp_clients -= 1
             writer.close()
 
     async def _relay_tcp(self, query: bytes) -> bytes | None:
