@@ -349,3 +349,16 @@ async def test_connect_stream_keepalives(http: httpx.AsyncClient, client: EnvdCl
     assert sum(1 for _, m in frames if m == {"event": {"keepalive": {}}}) >= 3
     assert frames[-2][1]["event"]["end"]["exited"] is True and frames[-1] == (2, {})
     assert [e.type async for e in events] == ["end"]
+
+
+async def test_a_new_directory_is_reported_once_per_entry(client: EnvdClient, tmp_path: Path) -> None:
+    """An upload makes a directory and a file in it. The directory's walk adds a watch and
+    scans it; a file made between those two steps was reported twice (by the scan and by the
+    new watch). Now the watch's CREATE of an entry the scan reported is dropped."""
+    watcher_id = await client.create_watcher(str(tmp_path), recursive=True)
+    for i in range(40):
+        await client.write_file(str(tmp_path / f"p{i}" / "q.txt"), b"data")
+        events = [(e["name"], e["type"]) for e in await client.watcher_events(watcher_id)]
+        assert events.count((f"p{i}", "EVENT_TYPE_CREATE")) == 1, (i, events)
+        assert events.count((f"p{i}/q.txt", "EVENT_TYPE_CREATE")) == 1, (i, events)
+    await client.remove_watcher(watcher_id)

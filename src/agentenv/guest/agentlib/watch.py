@@ -105,6 +105,9 @@ class Watcher:
         self._lock = threading.Lock()
         self._walk: asyncio.Future[list[dict]] | None = None
         self._backlog: deque[tuple[int, int, int, str]] = deque()
+        # Names a walk reported as CREATE: an entry made between a new watch and its scan is
+        # also in the backlog as the kernel's CREATE, which is then not reported twice.
+        self._scanned: set[str] = set()
 
     async def start(self, allow_network_mounts: bool) -> None:
         """Validate the root and add the watches (raises ConnectError); then events flow. The
@@ -144,6 +147,7 @@ class Watcher:
             self._walk.cancel()
             self._walk = None
         self._backlog.clear()
+        self._scanned.clear()
 
     async def settle(self) -> None:
         """Read what the kernel queued and wait for the walks it starts, so every event from
@@ -226,8 +230,12 @@ class Watcher:
         else:
             for event in walk.result():
                 self.sink(event)
+                if event["type"] == "EVENT_TYPE_CREATE":
+                    self._scanned.add(event["name"])
         while self._backlog and self._walk is None and self.fd >= 0:
             self._handle(*self._backlog.popleft())
+        if not self._backlog and self._walk is None:
+            self._scanned.clear()
 
     def read_pending(self) -> None:
         if self.fd >= 0:
@@ -278,8 +286,14 @@ class Watcher:
             self._upload_cookies.discard(cookie)
             self._emit(path, ["EVENT_TYPE_WRITE"])
             return
-        self._emit(path, [kind for bits, kind in EVENT_ORDER if mask & bits])
-        if self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
+        types = [kind for bits, kind in EVENT_ORDER if mask & bits]
+        scanned = False
+        if self._scanned and mask & (IN_CREATE | IN_MOVED_TO) and os.path.relpath(path, self.root) in self._scanned:
+            self._scanned.discard(os.path.relpath(path, self.root))
+            types.remove("EVENT_TYPE_CREATE")  # the walk reported it, and walked it if a directory
+            scanned = True
+        self._emit(path, types)
+        if self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO) and not scanned:
             self._start_walk(path)
         if mask & IN_ISDIR and mask & IN_MOVED_FROM:
             # A subdirectory moved away: its watches would report under a stale name.
