@@ -239,6 +239,27 @@ def test_a_run_step_that_never_ends_fails_the_build_after_its_bound(api: httpx.C
     assert build_sandboxes(api) == []
 
 
+def test_deleting_a_template_cancels_its_build(api: httpx.Client, node: ServerProcess) -> None:
+    """A build could not be stopped: DELETE refused while it ran ("wait for the build to
+    end"). Now it cancels the build, whose sandbox goes as after any failed build."""
+    tid, bid = request_build(api, "tb-cancel")
+    r = api.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromTemplate": "base", "steps": [
+        {"type": "RUN", "args": ["echo started; sleep 100000"]}]})
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 120
+    while not build_sandboxes(api) or "started" not in json.dumps(
+            api.get(f"/templates/{tid}/builds/{bid}/status").json()["logEntries"]):
+        assert time.monotonic() < deadline, "the build never started its step"
+        time.sleep(0.2)
+    sid = build_sandboxes(api)[0]
+    r = api.delete(f"/templates/{tid}")
+    assert r.status_code == 204, r.text
+    assert build_sandboxes(api) == []
+    assert host.qemu_pids(sid) == set()
+    assert api.get(f"/templates/{tid}/builds/{bid}/status").status_code == 404
+    assert api.post("/sandboxes", json={"templateID": "tb-cancel"}).status_code == 404
+
+
 def test_a_damaged_built_template_is_rebuilt_not_republished(api: httpx.Client, node: ServerProcess) -> None:
     """A host crash can leave a built template's layers short (they were not fsynced before its
     durable manifest). An unchanged rebuild then answered "CACHED finalize" and republished the

@@ -98,6 +98,7 @@ class Builds(GuestSteps):
         self._builds: dict[str, BuildRecord] = {b.build_id: b for b in self.files.builds()}
         self._templates: dict[str, TemplateEntry] = {t.template_id: t for t in self.files.templates()}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._cancelled: set[str] = set()  # builds stopped because their template was deleted
         self._saved_at: dict[str, float] = {}
         self._sem: asyncio.Semaphore | None = None
 
@@ -225,8 +226,16 @@ class Builds(GuestSteps):
         t = self._templates.get(template_id)
         if t is None and not self.builds_of(template_id):
             raise BuiltTemplateNotFound(template_id)
-        if any(b.status in ACTIVE and b.build_id in self._tasks for b in self.builds_of(template_id)):
-            raise InvalidRequest(f"template '{template_id}' is being built; wait for the build to end")
+        # A build in progress is cancelled: its sandbox is killed as after any failed build.
+        running = [self._tasks[b.build_id] for b in self.builds_of(template_id)
+                   if b.status in ACTIVE and b.build_id in self._tasks]
+        for b in self.builds_of(template_id):
+            if b.build_id in self._tasks:
+                self._cancelled.add(b.build_id)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        self._cancelled.difference_update(b.build_id for b in self.builds_of(template_id))
         if t is not None:
             self._templates.pop(template_id, None)
             self.files.delete_template(template_id)
@@ -359,7 +368,10 @@ class Builds(GuestSteps):
         except StepFailed as exc:
             self._error(b, exc.message, exc.step)
         except asyncio.CancelledError:
-            self._error(b, "server restarted during the build", "finalize")
+            if b.build_id in self._cancelled:
+                self._error(b, "build cancelled: its template was deleted", at)
+            else:
+                self._error(b, "server restarted during the build", "finalize")
             raise
         except AgentenvError as exc:  # e.g. a full disk while a step's checkpoint is saved
             self._error(b, exc.message, at)
