@@ -183,7 +183,7 @@ def test_a_long_build_log_keeps_the_offsets_the_sdk_polls_by() -> None:
         Builds,
     )
 
-    runner = SimpleNamespace(_saved_at={}, _save=lambda b: None)  # the log's bookkeeping only
+    runner = SimpleNamespace(_saved_at={}, _save=lambda b: None, _truncated=set())  # the log's bookkeeping only
     b = BuildRecord(build_id="b1", template_id="t")
     received: list[str] = []
     for i in range(MAX_LOG_ENTRIES + 10_000):

@@ -3,7 +3,7 @@
 Guests cannot reach the host's own resolver: it is on a private, loopback or link-local
 address, and those are always denied. So every guest's ``/etc/resolv.conf`` names its gateway
 (169.254.0.22), each namespace DNATs port 53 there to the forwarder's address (the first
-address of the slot CIDR, on a dummy interface of this node), and the forwarder relays each
+address of the slot CIDR, on the host's loopback under this node's label), and the forwarder relays each
 query, as it is, to the host's resolvers (``/etc/resolv.conf``, or ``AENV_DNS_UPSTREAM``) and
 the answer back. It reads only the two-byte length of TCP messages: names are the resolver's
 business, so it needs no DNS library.
@@ -22,7 +22,6 @@ log = logging.getLogger(__name__)
 QUERY_TIMEOUT_S = 4.0  # per upstream; the guest's resolver retries after 5 s
 MAX_INFLIGHT = 512  # UDP queries being relayed at once; more are dropped (the client retries)
 MAX_TCP_CLIENTS = 128  # TCP connections served at once; more are closed (a guest cannot use up our descriptors)
-MAX_MESSAGE = 65535
 TCP_IDLE_S = 10.0
 
 

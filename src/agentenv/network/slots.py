@@ -237,13 +237,7 @@ async def _refuse_shared_cidr(tag: str, ifprefix: str, cidr: str) -> None:
     sandboxes the same addresses, and one node's traffic reached the other's guests. An
     address of the CIDR on an interface that is not this node's means another user of it."""
     net = ipaddress.ip_network(cidr)
-    out = await run(["ip", "-4", "-o", "addr"], check=False)
-    for line in out.splitlines():
-        fields = line.split("\\")[0].split()  # "N: dev inet ADDR ... scope S LABEL\ valid_lft ..."
-        if len(fields) < 4 or fields[2] != "inet":
-            continue
-        dev, label = fields[1].split("@")[0], fields[-1]
-        addr = ipaddress.ip_interface(fields[3])
+    for dev, addr, label in _addresses(await run(["ip", "-4", "-o", "addr"], check=False)):
         if addr.ip in net and not dev.startswith(ifprefix) and label != _dns_label(tag):
             if label.startswith("lo:ae") or dev.startswith("ae"):
                 what = f"another AgentENV node ({label})"
@@ -251,6 +245,17 @@ async def _refuse_shared_cidr(tag: str, ifprefix: str, cidr: str) -> None:
                 what = f"interface {label}"
             raise NetworkError(f"the slot CIDR {cidr} is in use on this host: {addr} on {what}; give each node "
                                "its own AENV_SLOT_CIDR (or remove what holds that address)")
+
+
+def _addresses(ip_o_addr: str) -> list[tuple[str, ipaddress.IPv4Interface | ipaddress.IPv6Interface, str]]:
+    """(device, address, label) of each line of ``ip -4 -o addr``:
+    ``N: dev inet ADDR ... scope S LABEL\\ valid_lft ...``."""
+    out = []
+    for line in ip_o_addr.splitlines():
+        fields = line.split("\\")[0].split()
+        if len(fields) >= 4 and fields[2] == "inet":
+            out.append((fields[1].split("@")[0], ipaddress.ip_interface(fields[3]), fields[-1]))
+    return out
 
 
 async def host_firewall_down(tag: str) -> None:
@@ -279,13 +284,12 @@ def remove_slots_in(cidr: str) -> list[str]:
     net = ipaddress.ip_network(cidr)
     removed = []
     out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, check=False, text=True).stdout
-    for line in out.splitlines():
-        dev, addr, label = line.split()[1].split("@")[0], line.split()[3], line.split("\\")[0].split()[-1]
-        if dev.startswith("ae") and ipaddress.ip_interface(addr).ip in net:
+    for dev, addr, label in _addresses(out):
+        if dev.startswith("ae") and addr.ip in net:
             subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
             removed.append(dev)
-        elif dev == "lo" and label.startswith("lo:ae") and ipaddress.ip_interface(addr).ip in net:  # a DNS address
-            subprocess.run(["ip", "addr", "del", addr, "dev", "lo"], capture_output=True, check=False)
+        elif dev == "lo" and label.startswith("lo:ae") and addr.ip in net:  # a DNS address
+            subprocess.run(["ip", "addr", "del", str(addr), "dev", "lo"], capture_output=True, check=False)
             removed.append(label)
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, check=False, text=True).stdout
     for line in names.splitlines():

@@ -201,8 +201,8 @@ class Watcher:
             log(f"watch: cannot watch {len(failed)} directories, first {failed[0]}")
         return events
 
-    def _event(self, path: str, kind: str) -> dict:
-        event: dict = {"name": os.path.relpath(path, self.root), "type": kind}
+    def _event(self, path: str, kind: str, name: str | None = None) -> dict:
+        event: dict = {"name": name or os.path.relpath(path, self.root), "type": kind}
         if self.include_entry and kind in ("EVENT_TYPE_CREATE", "EVENT_TYPE_WRITE", "EVENT_TYPE_CHMOD"):
             try:
                 event["entry"] = entry_info(path)
@@ -211,8 +211,9 @@ class Watcher:
         return event
 
     def _emit(self, path: str, types: list[str]) -> None:
+        name = os.path.relpath(path, self.root)
         for kind in types:
-            self.sink(self._event(path, kind))
+            self.sink(self._event(path, kind, name))
 
     def _start_walk(self, directory: str) -> None:
         """Watch a new subtree in the thread pool; records that arrive meanwhile wait."""
@@ -228,10 +229,9 @@ class Watcher:
         if (exc := walk.exception()) is not None:
             log(f"watch: adding watches below '{self.root}' failed: {exc}")
         else:
-            for event in walk.result():
+            for event in walk.result():  # CREATE events, every one
                 self.sink(event)
-                if event["type"] == "EVENT_TYPE_CREATE":
-                    self._scanned.add(event["name"])
+                self._scanned.add(event["name"])
         while self._backlog and self._walk is None and self.fd >= 0:
             self._handle(*self._backlog.popleft())
         if not self._backlog and self._walk is None:
@@ -288,8 +288,9 @@ class Watcher:
             return
         types = [kind for bits, kind in EVENT_ORDER if mask & bits]
         scanned = False
-        if self._scanned and mask & (IN_CREATE | IN_MOVED_TO) and os.path.relpath(path, self.root) in self._scanned:
-            self._scanned.discard(os.path.relpath(path, self.root))
+        if (self._scanned and mask & (IN_CREATE | IN_MOVED_TO)
+                and (rel := os.path.relpath(path, self.root)) in self._scanned):
+            self._scanned.discard(rel)
             types.remove("EVENT_TYPE_CREATE")  # the walk reported it, and walked it if a directory
             scanned = True
         self._emit(path, types)

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.storage.memory_layers import fsync_path
+
 log = logging.getLogger(__name__)
 
 LEVELS = ("debug", "info", "warn", "error")
@@ -94,11 +96,7 @@ def _write(path: Path, data: dict[str, Any], durable: bool = False) -> None:
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if durable:
-        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path.parent)
 
 
 class BuildFiles:

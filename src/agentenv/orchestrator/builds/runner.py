@@ -99,6 +99,7 @@ class Builds(GuestSteps):
         self._templates: dict[str, TemplateEntry] = {t.template_id: t for t in self.files.templates()}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()  # builds stopped because their template was deleted
+        self._truncated: set[str] = set()  # running builds whose log got its truncation notice
         self._saved_at: dict[str, float] = {}
         self._sem: asyncio.Semaphore | None = None
 
@@ -227,15 +228,13 @@ class Builds(GuestSteps):
         if t is None and not self.builds_of(template_id):
             raise BuiltTemplateNotFound(template_id)
         # A build in progress is cancelled: its sandbox is killed as after any failed build.
-        running = [self._tasks[b.build_id] for b in self.builds_of(template_id)
-                   if b.status in ACTIVE and b.build_id in self._tasks]
-        for b in self.builds_of(template_id):
-            if b.build_id in self._tasks:
-                self._cancelled.add(b.build_id)
-        for task in running:
+        running = {b.build_id: self._tasks[b.build_id] for b in self.builds_of(template_id)
+                   if b.status in ACTIVE and b.build_id in self._tasks}
+        self._cancelled.update(running)
+        for task in running.values():
             task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
-        self._cancelled.difference_update(b.build_id for b in self.builds_of(template_id))
+        await asyncio.gather(*running.values(), return_exceptions=True)
+        self._cancelled.difference_update(running)
         if t is not None:
             self._templates.pop(template_id, None)
             self.files.delete_template(template_id)
@@ -289,7 +288,8 @@ class Builds(GuestSteps):
         if len(b.logs) >= MAX_LOG_ENTRIES:
             important = level == "error" or step in ("finalize", "base")
             if not important or len(b.logs) >= MAX_LOG_ENTRIES + 1000:
-                if not any(e.message == LOG_TRUNCATED for e in b.logs[MAX_LOG_ENTRIES:]):  # once
+                if b.build_id not in self._truncated:  # once
+                    self._truncated.add(b.build_id)
                     b.logs.append(LogEntry(time.time(), LOG_TRUNCATED, "warn", step))
                 return
         b.logs.append(LogEntry(time.time(), message, level, step))
@@ -390,6 +390,7 @@ class Builds(GuestSteps):
             b.finished_at = time.time()
             self._save(b)
             self._tasks.pop(b.build_id, None)
+            self._truncated.discard(b.build_id)
             try:
                 await self._prune()
             except Exception:

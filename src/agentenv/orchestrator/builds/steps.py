@@ -148,15 +148,14 @@ class GuestSteps:
                 try:
                     code = await self._run_logged(b, sid, self._argv(shell, step.args[0]), step=name, cfg=cfg,
                                                   user=user, tail=tail, timeout=bound)
+                    why = f"failed with exit code {code}" if code != 0 else None
                 except EnvdError as exc:
                     if exc.code != "deadline_exceeded":
                         raise
+                    why = f"did not finish within {bound:.0f} s (AENV_BUILD_STEP_TIMEOUT)"
+                if why is not None:
                     out = "\n".join(tail) or "(no output)"
-                    raise StepFailed(f"{what} did not finish within {bound:.0f} s (AENV_BUILD_STEP_TIMEOUT); "
-                                     f"last output:\n{out}", name) from None
-                if code != 0:
-                    out = "\n".join(tail) or "(no output)"
-                    raise StepFailed(f"{what} failed with exit code {code}; last output:\n{out}", name)
+                    raise StepFailed(f"{what} {why}; last output:\n{out}", name)
             elif step.type == "COPY":
                 await self._copy(b, sid, i, step, cfg, ensured, tail)
             # ENV, WORKDIR, USER: configuration only, applied by the caller
