@@ -105,15 +105,22 @@ def test_server_killed_mid_operation_keeps_the_previous_state(node: ServerProces
         api.delete(f"/sandboxes/{sid}")
 
 
-@pytest.mark.parametrize("point, linger, outcome", [
+@pytest.mark.parametrize("point, linger, outcome, sig", [
     # a restore into a new QEMU: loaded, its guest not yet run, its slot not yet recorded
-    ("restore_before_run", "0", "paused"),
+    ("restore_before_run", "0", "paused", signal.SIGKILL),
     # ... its guest running on the sandbox's own disk: that VM is the sandbox now
-    ("start_after_restore", "0", "adopted"),
-    ("wake_before_cont", "60", "adopted"),  # a parked VM (orchestrator/parking.py), not yet continued
-    ("wake_after_cont", "60", "adopted"),  # ... continued, its guest not yet told the clock
-])
-def test_server_killed_mid_resume_loses_nothing(node: ServerProcess, point: str, linger: str, outcome: str) -> None:
+    ("start_after_restore", "0", "adopted", signal.SIGKILL),
+    ("wake_before_cont", "60", "adopted", signal.SIGKILL),  # a parked VM (orchestrator/parking.py), not yet continued
+    ("wake_after_cont", "60", "adopted", signal.SIGKILL),  # ... continued, its guest not yet told the clock
+    # A graceful stop cancels the requests still running after its grace period (10 s): a
+    # resume whose VM was recorded is then left as a crash leaves it, not rolled back to a
+    # saved state its disk may have moved on from.
+    ("start_after_restore", "0", "adopted", signal.SIGTERM),
+    ("wake_before_cont", "60", "adopted", signal.SIGTERM),
+], ids=["restore_before_run", "start_after_restore", "wake_before_cont", "wake_after_cont",
+        "start_after_restore-sigterm", "wake_before_cont-sigterm"])
+def test_server_killed_mid_resume_loses_nothing(node: ServerProcess, point: str, linger: str, outcome: str,
+                                                sig: int) -> None:
     restart(node, faults=point, AENV_PAUSE_LINGER_S=linger)
     try:
         with node.client() as api:
@@ -126,7 +133,7 @@ def test_server_killed_mid_resume_loses_nothing(node: ServerProcess, point: str,
             interrupt(node, api, f"/sandboxes/{sid}/resume", {"timeout": 600}, point)
             vm = host.qemu_pids(sid)  # the parked VM, or the one the resume started
             assert vm
-        restart(node, AENV_PAUSE_LINGER_S=linger)  # SIGKILL at the crash point, then a clean start
+        restart(node, sig=sig, AENV_PAUSE_LINGER_S=linger)  # stopped at the crash point, then a clean start
         with node.client() as api:
             if outcome == "paused":
                 assert state(api, sid) == "paused", "the restore was cut short: the saved state stands"

@@ -262,6 +262,7 @@ class Checkpointer:
                 f"longer exists (rebuilt after an image change); it cannot be restored")
         await asyncio.to_thread(base.ensure_memory)
         undo = Cleanup(f"restore of {name}")
+        recorded = False
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             if disk_top is None:
@@ -298,12 +299,20 @@ class Checkpointer:
                 if before_run is not None:
                     await self.crash_point("restore_before_run")
                     await before_run()
+                    recorded = True
                     await machine.qmp("cont")
             log.info("restore %s: verify+disk %.1f ms, launch %.1f ms, %d pages %.1f ms, device state %.1f ms",
                      name, (t1 - t0) * 1e3, (t2 - t1) * 1e3, pages, (t3 - t2) * 1e3,
                      (time.perf_counter() - t3) * 1e3)
             undo.release()
             return machine, str(disk_top)
+        except asyncio.CancelledError:
+            if recorded:  # the server stops: leave the recorded VM as a crash would (see forking)
+                undo.release()
+                await machine.detach()
+            else:
+                await undo.unwind()
+            raise
         except BaseException:
             await undo.unwind()
             raise

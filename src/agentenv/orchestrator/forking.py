@@ -82,6 +82,16 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
     would no longer be exact. ``before_run(slot)``: awaited before the restored guest runs."""
     undo = Cleanup(f"start {sandbox_id}")
     t0 = time.perf_counter()
+    recorded = False
+    machine: Machine | None = None
+    envd: EnvdClient | None = None
+
+    async def record(slot: Slot) -> None:
+        nonlocal recorded
+        assert before_run is not None
+        await before_run(slot)
+        recorded = True
+
     try:
         slot = await orch.slots.acquire()
         undo.add("slot", lambda: orch.slots.release(slot))
@@ -92,7 +102,7 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
         machine, disk = await orch.checkpoints.restore(cp, name=sandbox_id, run_dir=run_dir, slot=slot,
                                                        disk_top=disk_top, mem_file=mem_file,
                                                        verified=mem_file is not None,
-                                                       before_run=(lambda: before_run(slot)) if before_run else None)
+                                                       before_run=(lambda: record(slot)) if before_run else None)
         undo.add("machine", machine.kill)
         await orch.checkpoints.crash_point("start_after_restore")
         if keep_if_silent and "hang_after_resume" in orch.settings.faults:
@@ -132,6 +142,20 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
         log.info("started %s from checkpoint %s: slot %.1f ms, restore %.1f ms, guest init %.1f ms", sandbox_id,
                  cp.id, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
         return Started(machine, slot, envd, disk)
+    except asyncio.CancelledError:
+        if not recorded:
+            await undo.unwind()
+            raise
+        # The server stops (it cancels the requests still running after its grace period)
+        # once the caller recorded this VM with its slot: the guest may have run on the
+        # sandbox's disk, so the saved state is no longer exact. Leave VM and slot as a crash
+        # here would; the next start's recovery continues the VM (recovery.py).
+        undo.release()
+        if envd is not None:
+            await envd.aclose()
+        if machine is not None:
+            await machine.detach()
+        raise
     except BaseException:
         await undo.unwind()
         raise

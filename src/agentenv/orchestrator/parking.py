@@ -126,16 +126,25 @@ async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: i
     assert p is not None
     t0 = time.perf_counter()
     before = live.record
+    recorded = False
     try:
         # With its slot recorded, recovery re-adopts this VM if the server dies during the wake,
         # with the time to live this resume gives it (the old one may be long past).
         live.record = live.record.with_(slot_index=p.slot.index, end_at=time.time() + timeout, timeout_s=timeout)
         await orch._transition(live, State.RESUMING)
+        recorded = True
         await orch.checkpoints.crash_point("wake_before_cont")
         if p.machine.exited:
             raise VmmError("its QEMU exited while parked")
         await p.machine.qmp("cont")
     except BaseException as exc:  # the VM did not run: the saved state is the sandbox's state
+        if recorded and isinstance(exc, asyncio.CancelledError):
+            # ... unless the server stops (it cancels its requests) after ``cont`` may have
+            # reached QEMU: the guest may have run on the sandbox's disk. The recorded VM is
+            # left as a crash would leave it; the next start's recovery continues it.
+            await p.envd.aclose()
+            await p.machine.detach()
+            raise
         free_later(orch, live, p.machine, p.envd, p.slot)
         live.record = live.record.with_(slot_index=None, end_at=before.end_at, timeout_s=before.timeout_s)
         if live.record.state == State.RESUMING:

@@ -131,14 +131,17 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
         await orch._transition(live, State.RESUMING)
         rec = live.record
         own_disk = cp.disk_top is not None and not cp.filesystem_only
+        recorded = False
 
         async def record_vm(slot: Slot) -> None:
+            nonlocal recorded
             # Once the guest runs on its own disk there is no going back to the saved state:
             # with its slot recorded, recovery re-adopts this VM if the server dies from here on,
             # with the time to live this resume gives it (the old one may be long past: the
             # reaper would kill the re-adopted sandbox at once).
             live.record = live.record.with_(slot_index=slot.index, end_at=time.time() + timeout, timeout_s=timeout)
             await orch.store.put(live.record)
+            recorded = True
 
         try:
             # On its own disk, a guest that ran is kept even if it does not answer (see below).
@@ -147,9 +150,12 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
                 env_vars={}, run_dir=Path(rec.run_dir), disk_top=Path(cp.disk_top) if cp.disk_top else None,
                 options=rec.options, keep_if_silent=cp.disk_top is not None,
                 before_run=record_vm if own_disk else None)
-        except BaseException:
-            live.record = live.record.with_(slot_index=None, end_at=rec.end_at, timeout_s=rec.timeout_s)
-            await orch._transition(live, State.PAUSED)
+        except BaseException as exc:
+            # Cancelled once its VM was recorded, the server stops: the VM is left ``resuming``
+            # as a crash would leave it, for the next start's recovery (start_from_checkpoint).
+            if not (recorded and isinstance(exc, asyncio.CancelledError)):
+                live.record = live.record.with_(slot_index=None, end_at=rec.end_at, timeout_s=rec.timeout_s)
+                await orch._transition(live, State.PAUSED)
             raise
         live.machine, live.slot, live.envd = started.machine, started.slot, started.envd
         live.record = rec.with_(state=State.RUNNING, origin=cp, paused=None, slot_index=started.slot.index,
