@@ -9,6 +9,7 @@ import io
 import json
 import signal
 import tarfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -332,9 +333,25 @@ def test_build_status_survives_a_restart_and_a_build_cut_short_becomes_an_error(
         time.sleep(0.3)
     else:
         raise AssertionError("the long step did not start")
+    # An upload of the build's files in progress too: its temp file is all that is left of it.
+    uploads = node.data_dir / "build-files"
+    url = api.get(f"/templates/{tid}/files/cut0upload0123").json()["url"]
+
+    def slow_body() -> Iterator[bytes]:
+        yield b"x" * 65536
+        time.sleep(30)  # the server is killed meanwhile
+        yield b"y"
+
+    threading.Thread(target=_put_quietly, args=(url, slow_body()), daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not any(uploads.glob(".*.part")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any(uploads.glob(".*.part")), "the upload never started"
     node.stop(signal.SIGKILL)
     node.start()
+    assert list(uploads.glob(".*.part")) == [], "an interrupted upload is removed at start"
     with node.client() as c:
+        assert c.get(f"/templates/{tid}/files/cut0upload0123").json()["present"] is False
         again = c.get(f"/templates/tb-keep/builds/{st['buildID']}/status").json()
         assert again["status"] == "ready" and any("kept" == e["message"] for e in again["logEntries"])
         cut = c.get(f"/templates/{tid}/builds/{bid}/status").json()
@@ -342,6 +359,13 @@ def test_build_status_survives_a_restart_and_a_build_cut_short_becomes_an_error(
         assert build_sandboxes(c) == []
         sid = c.post("/sandboxes", json={"templateID": "tb-keep"}).json()["sandboxID"]
         c.delete(f"/sandboxes/{sid}")
+
+
+def _put_quietly(url: str, body: Iterator[bytes]) -> None:
+    try:
+        httpx.put(url, content=body, timeout=60)
+    except httpx.HTTPError:
+        pass  # the server was killed under it
 
 
 def test_upload_url_needs_its_token(api: httpx.Client, node: ServerProcess) -> None:
