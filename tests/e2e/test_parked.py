@@ -6,6 +6,7 @@ of the sandbox lost in any of these."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -253,6 +254,15 @@ def test_parked_vms_count_against_the_sandbox_limit(tmp_path: Path) -> None:
         s.kill_all()
 
 
+def pause_manifests(data_dir: Path, sid: str) -> list[str]:
+    out = []
+    for p in (data_dir / "repository" / "manifests").glob("*.json"):
+        m = json.loads(p.read_text())
+        if m.get("kind") == "pause" and m.get("source_sandbox") == sid:
+            out.append(p.name)
+    return out
+
+
 def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_nothing(tmp_path: Path) -> None:
     """Once ``cont`` ran there is no going back to the saved state (the guest ran; its disk
     moved on). Injected fault ``hang_after_wake``: the VM is stopped again right after ``cont``,
@@ -297,6 +307,7 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
             (pid,) = host.qemu_pids(b.sid)
             ns = host.netns_of(pid)
             b.pause()
+            assert len(pause_manifests(s.data_dir, b.sid)) == 1
 
             def resume() -> httpx.Response:
                 with s.client() as other:
@@ -311,6 +322,7 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
             assert r.status_code == 500 and "QEMU exited" in r.json()["message"], r.text
             info = api.get(f"/sandboxes/{b.sid}").json()
             assert info["state"] == "error" and "QEMU exited" in info["error"], info
+            assert pause_manifests(s.data_dir, b.sid) == [], "the pause's manifest is dropped once its VM ran"
             assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
             gone(b.sid, ns)
             assert api.get(f"/sandboxes/{b.sid}").status_code == 404
@@ -354,6 +366,7 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
                 time.sleep(0.1)
             info = api.get(f"/sandboxes/{b.sid}").json()
             assert info["state"] == "error" and "QEMU exited" in info["error"], info
+            assert pause_manifests(s.data_dir, b.sid) == [], "the pause's manifest is dropped once its VM ran"
             assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
             gone(b.sid, ns)
     finally:
