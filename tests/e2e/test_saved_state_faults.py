@@ -86,9 +86,13 @@ def test_server_killed_mid_operation_keeps_the_previous_state(node: ServerProces
         sid = busy_sandbox(api)
         manifests_before = sorted(p.name for p in (node.data_dir / "repository" / "manifests").iterdir())
         interrupt(node, api, f"/sandboxes/{sid}/{route}", body, point)
+    log_at = node.log.stat().st_size
     restart(node)  # SIGKILL at the crash point, then a clean start
     with node.client() as api:
         assert state(api, sid) == "running", api.get(f"/sandboxes/{sid}").json()
+        # The adopted VM writes to the top the snapshot switched to (not the one it removed):
+        # the start's gc finds every overlay and keeps only the layers in use.
+        assert "gc keeps every disk layer" not in node.log.read_bytes()[log_at:].decode(errors="replace")
         c = counter(api, sid)
         time.sleep(0.3)
         assert counter(api, sid) > c, "the sandbox must run on after the interrupted operation"

@@ -135,6 +135,9 @@ async def _settle(orch: Orchestrator, live: LiveSandbox) -> None:
     except VmmError as exc:
         await orch._fail(live, f"could not continue after an interrupted {rec.state.value}: {exc}")
         return
+    # The machine too: it was adopted with the record's top, which a snapshot cut short after
+    # its seal has left behind (removed); the gc's pins and the next checkpoint read the spec.
+    live.machine.spec = replace(live.machine.spec, disk=top)
     changes: dict[str, object] = {"state": State.RUNNING, "disk_path": str(top)}
     if rec.state == State.RESUMING and rec.paused is not None:
         changes.update(origin=rec.paused, paused=None)
