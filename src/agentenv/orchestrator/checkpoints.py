@@ -133,14 +133,21 @@ class Checkpointer:
                 await self.crash_point(f"{kind}_after_publish")
                 undo.release()
                 completed = True
-            if seal_disk and len(disk_layers) > self.max_disk_layers:
-                # Bound the chain: stream the layers into the new top, in QEMU, while the guest
-                # runs; the checkpoint just taken keeps its own layers through its manifest.
-                await machine.stream_disk(_base(rec.base_dir).disk)
-                log.info("%s: disk chain of %d layers is being streamed into its top", rec.id, len(disk_layers))
             if kind == "snapshot":  # named snapshots outlive the host's page cache: write them back
                 task = asyncio.get_running_loop().create_task(asyncio.to_thread(self.repo.make_durable, cp))
                 self._background = {t for t in self._background if not t.done()} | {task}
+            if seal_disk and len(disk_layers) > self.max_disk_layers:
+                # Bound the chain: stream the layers into the new top, in QEMU, while the guest
+                # runs; the checkpoint just taken keeps its own layers through its manifest.
+                # Best effort: the checkpoint is published, and the next one tries again (a
+                # QEMU that died meanwhile is the exit watcher's).
+                try:
+                    await machine.stream_disk(_base(rec.base_dir).disk)
+                    log.info("%s: disk chain of %d layers is being streamed into its top", rec.id,
+                             len(disk_layers))
+                except VmmError as exc:
+                    log.warning("%s: its disk chain of %d layers could not be streamed (%s); the next "
+                                "checkpoint tries again", rec.id, len(disk_layers), exc.message)
             log.info("%s of %s: %s, VM stopped %.1f ms (before memory %.1f, memory+device %.1f, "
                      "manifest %.1f)", kind, rec.id, f"{pages} pages" if memory else "filesystem only",
                      (time.perf_counter() - t0) * 1e3,

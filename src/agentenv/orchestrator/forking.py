@@ -190,11 +190,27 @@ async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env
         base_dir=cp.base, disk_path=started.disk, origin=cp, auto_pause=bool(options.get("autoPause")),
         timeout_s=timeout_s, options=options,
     )
+    try:
+        await orch.store.put(rec)
+    except BaseException:
+        # Not recorded (a full disk under the store, or the server stopping): the child is
+        # not made, and nothing of it may run on unlisted and unwatched.
+        await _discard(orch, started, run_dir, rec.id)
+        raise
     live = LiveSandbox(rec, started.machine, started.slot, started.envd)
     orch._live[rec.id] = live
-    await orch.store.put(rec)
     orch._watch(live)
     return rec
+
+
+async def _discard(orch: Orchestrator, started: Started, run_dir: Path, sandbox_id: str) -> None:
+    undo = Cleanup(f"unrecorded sandbox {sandbox_id}")
+    undo.add("run dir", lambda: remove_tree(run_dir))
+    undo.add("slot", lambda: orch.slots.release(started.slot))
+    undo.add("machine", started.machine.kill)
+    undo.add("envd", started.envd.aclose)
+    undo.add("record", lambda: orch.store.delete(sandbox_id))  # if the put landed after all
+    await undo.unwind()
 
 
 def _child_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -272,9 +288,12 @@ async def snapshot(orch: Orchestrator, sandbox_id: str, name: str | None, memory
     if name is not None:
         # E2B semantics: a name already taken moves to the new snapshot (a new build of the
         # same snapshot template); the older snapshot keeps its id and stays usable by id.
-        for older in orch.repo.list("snapshot"):
-            if older.name == name and older.id != cp.id:
-                await asyncio.to_thread(orch.repo.put, older.with_(name=None))
+        # Under the repository lock, read afresh: a snapshot deleted meanwhile is not written
+        # back, and of two snapshots given the name at once the newer keeps it.
+        async with orch.repo.lock:
+            for older in orch.repo.list("snapshot"):
+                if older.name == name and older.id != cp.id and (older.created_at, older.id) < (cp.created_at, cp.id):
+                    await asyncio.to_thread(orch.repo.put, older.with_(name=None))
     return cp
 
 
