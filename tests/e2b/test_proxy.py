@@ -3,11 +3,17 @@ sandboxes, envd's internal routes, and streaming in both directions."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import InvalidStatus
 
 from tests.e2b.conftest import PY_LATEST, SDK
 from tests.framework.server import ServerProcess
@@ -160,5 +166,132 @@ def test_the_proxy_forwards_the_clients_headers_and_no_others(e2b_server: Server
             assert int(r.headers["content-length"]) == len(text) and r.content == text
             r = c.get("/files", params={"path": "/home/user/t.txt"}, headers={"Accept-Encoding": "gzip"})
             assert r.headers["content-encoding"] == "gzip" and r.content == text
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+# A guest HTTP server on python3's standard library: /headers answers with the request's
+# headers; /304 with a 304 that carries a Content-Length (RFC 9110 allows it); a WebSocket
+# upgrade with a redirect to the host's loopback (port in /tmp/redirect-port).
+GUEST_SERVER = r'''
+import json
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+LOCAL = int(open("/tmp/redirect-port").read())
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        if self.headers.get("Upgrade", "").lower() == "websocket":
+            self.send_response(302)
+            self.send_header("Location", "ws://127.0.0.1:%d/host-only" % LOCAL)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.path.startswith("/304"):
+            self.send_response(304)
+            self.send_header("ETag", '"v1"')
+            self.send_header("Content-Length", "10")
+            self.end_headers()
+            return
+        body = json.dumps({k.lower(): v for k, v in self.headers.items()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+ThreadingHTTPServer(("0.0.0.0", 8080), H).serve_forever()
+'''
+
+
+def test_the_proxy_keeps_the_platforms_secrets_and_answers_what_the_guest_cannot_mislead(
+        e2b_server: ServerProcess, api: httpx.Client) -> None:
+    """What a guest's server sees and can do through the proxy: not the node's API key, the
+    traffic token or headers its client marked hop-by-hop; a 304 with a Content-Length does not
+    break the client's connection; a WebSocket upgrade answered with a redirect to the host's
+    loopback is refused, not followed by the server; a request target of ``*`` is a 400."""
+    host_hits: list[bytes] = []
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.2)
+    sb = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120,
+                                         "network": {"allowPublicTraffic": False}}).json()
+    sid, token = sb["sandboxID"], sb["trafficAccessToken"]
+    try:
+        for path, data in (("/tmp/srv.py", GUEST_SERVER.encode()),
+                           ("/tmp/redirect-port", str(listener.getsockname()[1]).encode())):
+            assert api.put(f"/sandboxes/{sid}/files", params={"path": path}, content=data).status_code == 204
+        r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "nohup python3 /tmp/srv.py >/tmp/srv.log 2>&1 &"})
+        assert r.status_code == 200, r.text
+        route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8080", "e2b-traffic-access-token": token}
+        with httpx.Client(base_url=e2b_server.url, timeout=30) as c:
+            for _ in range(100):  # the server takes a moment to listen
+                r = c.get("/headers", headers=route)
+                if r.status_code == 200:
+                    break
+                time.sleep(0.2)
+            r = c.get("/headers", headers={**route, "X-API-Key": e2b_server.api_key, "X-Private": "p",
+                                           "X-Kept": "k", "Connection": "keep-alive, X-Private"})
+            seen = r.json()
+            assert seen["x-kept"] == "k"
+            assert not {"x-api-key", "e2b-traffic-access-token", "x-private"} & set(seen), seen
+            first = c.get("/304", headers=route)
+            second = c.get("/headers", headers=route)  # on the same kept-alive connection
+            assert first.status_code == 304 and "content-length" not in first.headers
+            assert second.status_code == 200
+        with socket.create_connection(("127.0.0.1", int(e2b_server.url.rsplit(":", 1)[1]))) as s:
+            s.sendall(b"OPTIONS * HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: " + sid.encode() +
+                      b"\r\nE2b-Sandbox-Port: 8080\r\ne2b-traffic-access-token: " + token.encode() + b"\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 400"), "a target that is not a path"
+
+        async def upgrade() -> int:
+            try:
+                async with ws_connect(e2b_server.url.replace("http://", "ws://") + "/ws",
+                                      additional_headers=route, open_timeout=10):
+                    return 101
+            except InvalidStatus as exc:
+                return exc.response.status_code
+
+        status = asyncio.run(upgrade())
+        try:
+            host_hits.append(listener.accept()[0].recv(4096))
+        except (TimeoutError, OSError):
+            pass
+        assert status == 302 and host_hits == [], (status, host_hits)
+    finally:
+        listener.close()
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_concurrent_requests_to_an_auto_resuming_sandbox_all_get_through(
+        e2b_server: ServerProcess, api: httpx.Client) -> None:
+    """A page's several requests (or an RL worker's parallel tool calls) reach a paused sandbox
+    with autoResume together: the first resumes it, the others wait for that resume instead of
+    a 502 "not found" while it runs."""
+    sb = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120, "autoPause": True,
+                                         "autoResume": {"enabled": True}}).json()
+    sid = sb["sandboxID"]
+    try:
+        for path, data in (("/tmp/srv.py", GUEST_SERVER.encode()), ("/tmp/redirect-port", b"9")):
+            assert api.put(f"/sandboxes/{sid}/files", params={"path": path}, content=data).status_code == 204
+        assert api.post(f"/sandboxes/{sid}/exec", json={"cmd": "nohup python3 /tmp/srv.py >/dev/null 2>&1 &"}
+                        ).status_code == 200
+        route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8080"}
+        for _ in range(100):
+            if httpx.get(e2b_server.url + "/headers", headers=route).status_code == 200:
+                break
+            time.sleep(0.2)
+        for _ in range(3):
+            assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+            barrier = threading.Barrier(6)
+
+            def one(_i: int) -> int:
+                barrier.wait()
+                return httpx.get(e2b_server.url + "/headers", headers=route, timeout=60).status_code
+
+            with ThreadPoolExecutor(6) as ex:
+                assert list(ex.map(one, range(6))) == [200] * 6
+            assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
     finally:
         api.delete(f"/sandboxes/{sid}")

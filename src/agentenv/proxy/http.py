@@ -21,6 +21,7 @@ from agentenv.envd_client import EnvdError
 from agentenv.errors import NotFound, SandboxStateError
 from agentenv.orchestrator import GUEST_UP, Orchestrator, State
 from agentenv.proxy import websocket
+from agentenv.proxy.headers import NO_BODY, NO_BODY_HEADERS, forwardable
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ def envd_path_allowed(raw_path: bytes) -> bool:
     if any(seg in (".", "..") for seg in path.split("/")):
         return False
     return path not in INTERNAL_ENVD_PATHS
-HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-                        b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host"})
+
+
 # Requests are made as httpx.Request, not with a client's build_request: that would add the
 # client's default headers (an Accept-Encoding the client did not send makes servers in the
 # sandbox compress, and the client get a body it did not ask for).
@@ -72,6 +73,8 @@ def _refuse_host_routes(scope: Scope, port: int) -> bytes:
     raw_path: bytes = scope.get("raw_path") or scope.get("path", "/").encode()
     if port == ENVD_PORT and not envd_path_allowed(raw_path):
         raise _Reject(404, {"code": 404, "message": "Not Found"})
+    if not raw_path.startswith(b"/"):  # e.g. OPTIONS *: not a resource of the sandbox's server
+        raise _Reject(400, {"code": 400, "message": "the request target must be a path starting with /"})
     return raw_path
 
 
@@ -176,7 +179,7 @@ class SandboxProxy:
             except (NotFound, SandboxStateError):
                 raise not_found(sandbox_id) from None
         # Pop before awaiting: concurrent requests would otherwise pop the same stale client.
-        stale = [self._clients.pop(s) for s in list(self._clients) if s != sandbox_id and not self._running(s)]
+        stale = [self._clients.pop(s) for s in list(self._clients) if s != sandbox_id and not self.running(s)]
         for c in stale:
             await c.aclose()
         client = self._clients.get(sandbox_id)
@@ -224,7 +227,9 @@ class SandboxProxy:
         except NotFound:
             return
         auto = rec.options.get("autoResume") or {}
-        if rec.state in (State.PAUSING, State.PAUSED) and isinstance(auto, dict) and auto.get("enabled"):
+        # RESUMING too: traffic that comes while another request's resume runs waits for it
+        # (connect takes the sandbox's lock, then finds it running) instead of a 502.
+        if rec.state in (State.PAUSING, State.PAUSED, State.RESUMING) and isinstance(auto, dict) and auto.get("enabled"):
             log.info("traffic for paused sandbox %s: resuming it (autoResume)", sandbox_id)
             try:
                 await self.orch.connect(sandbox_id, 300)
@@ -233,9 +238,9 @@ class SandboxProxy:
 
     async def websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        _refuse_host_routes(scope, port)
+        raw_path = _refuse_host_routes(scope, port)
         addr, _ = await self._lookup(sandbox_id, port, headers)
-        await websocket.forward(self, scope, receive, send, addr, sandbox_id, port)
+        await websocket.forward(self, scope, receive, send, addr, sandbox_id, port, raw_path)
 
     async def http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         raw_headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
@@ -243,7 +248,7 @@ class SandboxProxy:
         raw_path = _refuse_host_routes(scope, port)
         addr, net = await self._lookup(sandbox_id, port, headers)
 
-        fwd = [(k, v) for k, v in raw_headers if k.lower() not in HOP_BY_HOP]
+        fwd = forwardable(raw_headers)
         if port != ENVD_PORT:
             mask = net.get("maskRequestHost")
             host = mask.replace("${PORT}", str(port)).encode() if mask else headers.get(b"host")
@@ -284,7 +289,7 @@ class SandboxProxy:
                     resp = await client.send(req, stream=True)
                     break
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    if self._running(sandbox_id) is False:
+                    if self.running(sandbox_id) is False:
                         raise not_found(sandbox_id) from None
                     if (not forwarded and isinstance(exc, httpx.ConnectError)
                             and await self.forward_loopback(sandbox_id, port)):
@@ -296,7 +301,7 @@ class SandboxProxy:
             if resp is None:
                 raise port_closed(sandbox_id, port)
             try:
-                out = [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP_BY_HOP]
+                out = forwardable(resp.headers.raw, NO_BODY_HEADERS if resp.status_code in NO_BODY else frozenset())
                 await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
                 started = True
                 async for chunk in resp.aiter_raw():
@@ -328,11 +333,13 @@ class SandboxProxy:
                 work.result()
             except _ClientGone:
                 return
+            except httpx.InvalidURL as exc:
+                raise _Reject(400, {"code": 400, "message": f"cannot forward this request target: {exc}"}) from exc
             except httpx.TransportError as exc:
                 if started:  # the head is sent: the server drops the connection
                     log.info("sandbox %s port %d: response cut: %s", sandbox_id, port, type(exc).__name__)
                     return
-                if self._running(sandbox_id) is False:
+                if self.running(sandbox_id) is False:
                     raise not_found(sandbox_id) from exc
                 raise _Reject(502, {"sandboxId": sandbox_id, "code": 502,
                                     "message": f"The request to port {port} of the sandbox failed: "
@@ -344,7 +351,7 @@ class SandboxProxy:
 
     # -- cutting requests to sandboxes that stop running -----------------------------------------
 
-    def _running(self, sandbox_id: str) -> bool:
+    def running(self, sandbox_id: str) -> bool:
         try:
             return self.orch.get(sandbox_id).state in GUEST_UP
         except NotFound:
@@ -352,6 +359,10 @@ class SandboxProxy:
 
     def subscribe(self, sandbox_id: str) -> asyncio.Event:
         ev, n = self._gone.get(sandbox_id, (asyncio.Event(), 0))
+        if ev.is_set() and self.running(sandbox_id):
+            # Set for an earlier run of the VM (a subscriber of that run has not left yet): a
+            # request to the sandbox running again must not be cut at once.
+            ev = asyncio.Event()
         self._gone[sandbox_id] = (ev, n + 1)
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch(), name="proxy-watch")
@@ -368,5 +379,5 @@ class SandboxProxy:
         while self._gone:
             await asyncio.sleep(self.watch_interval_s)
             for sid, (ev, _) in list(self._gone.items()):
-                if not ev.is_set() and not self._running(sid):
+                if not ev.is_set() and not self.running(sid):
                     ev.set()

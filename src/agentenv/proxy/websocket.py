@@ -9,9 +9,12 @@ from typing import TYPE_CHECKING, Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from agentenv.proxy.headers import forwardable
+
 if TYPE_CHECKING:
     from agentenv.proxy.http import Receive, SandboxProxy, Scope, Send
 
+CLOSE_TIMEOUT_S = 5.0
 # Handshake headers the upstream client makes itself.
 _OWN = frozenset({b"host", b"connection", b"upgrade", b"sec-websocket-key", b"sec-websocket-version",
                   b"sec-websocket-extensions", b"sec-websocket-protocol", b"content-length", b"transfer-encoding"})
@@ -29,17 +32,26 @@ async def reject(scope: Scope, send: Send, status: int, body: dict[str, Any]) ->
         await send({"type": "websocket.close", "code": 1011, "reason": str(body.get("message", ""))[:120]})
 
 
+class _Dial(connect):
+    """A dial that follows no redirect: a guest answering the upgrade with a 3xx must not make
+    the server connect elsewhere (the host's services, another sandbox's ports) and relay it,
+    with the client's headers."""
+
+    def process_redirect(self, exc: Exception) -> Exception:
+        return exc
+
+
 async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Send, addr: str,
-                  sandbox_id: str, port: int) -> None:
-    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])
-               if k.lower() not in _OWN]
+                  sandbox_id: str, port: int, raw_path: bytes) -> None:
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in forwardable(scope.get("headers", []), _OWN)]
     qs = scope.get("query_string", b"").decode("latin-1")
-    url = f"ws://{addr}:{port}{scope.get('path', '/')}" + (f"?{qs}" if qs else "")
+    # The path as the client sent it: decoded, %3F would become a query and %2F a separator.
+    url = f"ws://{addr}:{port}{raw_path.decode('latin-1')}" + (f"?{qs}" if qs else "")
     if (await receive())["type"] != "websocket.connect":
         return
     async def dial() -> ClientConnection:
-        return await connect(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
-                             max_size=None, open_timeout=10, ping_interval=None, compression=None)
+        return await _Dial(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
+                           max_size=None, open_timeout=10, ping_interval=None, compression=None, proxy=None)
 
     try:
         try:
@@ -52,6 +64,9 @@ async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Sen
         if isinstance(exc, InvalidStatus):
             status = exc.response.status_code
             await reject(scope, send, status, {"code": status, "message": f"the sandbox's server answered {status}"})
+        elif not proxy.running(sandbox_id):
+            await reject(scope, send, 502, {"sandboxId": sandbox_id, "message": "The sandbox was not found",
+                                            "code": 502})
         else:
             await reject(scope, send, 502, {"sandboxId": sandbox_id, "code": 502, "port": port,
                                             "message": "The sandbox is running but port is not open"})
@@ -84,10 +99,15 @@ async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Sen
                  asyncio.create_task(gone.wait())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if tasks[2] in done:  # the sandbox stopped running: end the client's side too
-                await send({"type": "websocket.close", "code": 1011, "reason": "The sandbox was not found"})
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             proxy.unsubscribe(sandbox_id)
+        if tasks[2] in done:  # the sandbox stopped running: end the client's side too
+            # Bounded: a client that reads nothing must not hold this handler (and its slot).
+            try:
+                await asyncio.wait_for(send({"type": "websocket.close", "code": 1011,
+                                             "reason": "The sandbox was not found"}), CLOSE_TIMEOUT_S)
+            except (TimeoutError, OSError):
+                pass
