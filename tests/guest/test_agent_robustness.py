@@ -5,6 +5,7 @@ before its fix (a read-only review reproduced them against the real agent, as he
 from __future__ import annotations
 
 import base64
+import gzip
 import http.client
 import json
 import os
@@ -13,6 +14,8 @@ import struct
 import threading
 import time
 import urllib.parse
+
+import httpx
 
 from .conftest import RunningAgent
 from .test_agent import envelope, parse_envelopes
@@ -378,3 +381,58 @@ def test_polling_watchers_nobody_polls_share_one_bounded_buffer(agent: RunningAg
     assert 60_000 <= total <= 65_536, [len(events) for events in kept]
     for watcher in watchers:
         assert _unary(agent, "filesystem.Filesystem/RemoveWatcher", {"watcherId": watcher})[0] == 200
+
+
+def test_a_gzip_upload_of_several_members_is_written_whole_and_trailing_garbage_refused(
+        agent: RunningAgent, tmp_path) -> None:
+    """``cat a.gz b.gz`` (and pigz) make one body of several gzip members; envd reads them all.
+    The agent kept only the first and answered 200; bytes after a member that are no member
+    were dropped silently too."""
+    url = agent.url + "/files"
+    body = gzip.compress(b"first-part\n") + gzip.compress(b"second-part\n" * 50000) + gzip.compress(b"end\n")
+    r = httpx.post(url, params={"path": str(tmp_path / "m.txt")}, content=body,
+                   headers={"Content-Encoding": "gzip", "Content-Type": "application/octet-stream"})
+    assert r.status_code == 200, r.text
+    assert (tmp_path / "m.txt").read_bytes() == b"first-part\n" + b"second-part\n" * 50000 + b"end\n"
+    r = httpx.post(url, params={"path": str(tmp_path / "g.txt")}, content=gzip.compress(b"data\n") + b"garbage",
+                   headers={"Content-Encoding": "gzip", "Content-Type": "application/octet-stream"})
+    assert r.status_code == 400 and not (tmp_path / "g.txt").exists()
+
+
+def test_a_multipart_file_name_with_a_backslash_is_the_name_sent(agent: RunningAgent, tmp_path) -> None:
+    """httpx (the Python SDK's write_files) quotes a backslash in a file name as two."""
+    d = tmp_path / "up"
+    d.mkdir()
+    r = httpx.post(agent.url + "/files", files=[("file", (str(d / "a\\b.txt"), b"data"))])
+    assert r.status_code == 200, r.text
+    assert [p.name for p in d.iterdir()] == ["a\\b.txt"]
+    assert r.json()[0]["path"] == str(d / "a\\b.txt")
+
+
+def test_starts_the_kernel_would_refuse_are_invalid_and_cost_the_agent_little(agent: RunningAgent) -> None:
+    """A Start of millions of args used to take gigabytes and stall the agent for seconds
+    (each became a Python string first); a string for args ran its characters; a NUL cut an
+    arg short; a PTY size outside 16 bits was ``internal``."""
+    body = envelope({"process": {"cmd": "/bin/echo", "args": ["1"] * 400_000}})
+    c = http.client.HTTPConnection("127.0.0.1", _port(agent), timeout=60)
+    t0 = time.monotonic()
+    c.request("POST", "/process.Process/Start", body, CONNECT_JSON)
+    frames = parse_envelopes(c.getresponse().read())
+    c.close()
+    assert frames[-1][1]["error"]["code"] == "invalid_argument" and time.monotonic() - t0 < 10
+    assert int(open(f"/proc/{agent.pid}/status").read().split("VmHWM:")[1].split()[0]) < 400_000  # kB
+    for extra in ({"process": {"cmd": "/bin/echo", "args": "abc"}},
+                  {"process": {"cmd": "/bin/echo", "args": ["a\0b"]}},
+                  {"process": {"cmd": "/bin/echo", "args": ["x"]}, "pty": {"size": {"cols": 70000, "rows": 24}}},
+                  {"process": {"cmd": "/bin/echo", "args": ["x"]}, "pty": {"size": {"cols": -1, "rows": 24}}}):
+        c = http.client.HTTPConnection("127.0.0.1", _port(agent), timeout=60)
+        c.request("POST", "/process.Process/Start", envelope(extra), CONNECT_JSON)
+        frames = parse_envelopes(c.getresponse().read())
+        c.close()
+        assert frames[-1][1]["error"]["code"] == "invalid_argument", (extra, frames)
+    # Control messages are bounded at 4 MiB (input up to 16 MiB): a larger one is refused
+    # before it is parsed.
+    status, out = _unary(agent, "filesystem.Filesystem/Stat", {"path": "/", "pad": "x" * (5 << 20)})
+    assert (status, out["code"]) == (429, "resource_exhausted"), out  # Connect maps the code to 429
+    status, frames = _start(agent, "/bin/echo", "still fine")
+    assert any("end" in f[1].get("event", {}) for f in frames)

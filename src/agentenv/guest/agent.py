@@ -52,6 +52,8 @@ from agentlib import metrics
 from agentlib.common import (
     CONNECT_STATUS,
     CORS_HEADERS,
+    MAX_CONTROL_MESSAGE,
+    MAX_MESSAGE,
     CallContext,
     ConnectError,
     HttpError,
@@ -87,6 +89,9 @@ NO_CLOCK = os.environ.get("AENV_AGENT_NO_CLOCK") == "1"
 # What /init set, kept (root-only, on the guest's tmpfs) so that an agent restarted by the init
 # after a crash still enforces the access token and applies the sandbox's env vars.
 STATE_FILE = os.environ.get("AENV_AGENT_STATE", "/run/aenv-agent/state.json")
+
+# Unary calls that carry a process's input: their messages may be as large as MAX_MESSAGE.
+INPUT_RPCS = frozenset({"process.Process/SendInput"})
 
 RNDADDENTROPY = 0x40085203      # _IOW('R', 0x03, int[2])
 RNDRESEEDCRNG = 0x5207          # _IO('R', 0x07)
@@ -207,7 +212,7 @@ class Agent:
             stream = None
             held = b""
             try:
-                body = await req.read_body()
+                body = await req.read_body(MAX_CONTROL_MESSAGE)
                 if len(body) < 5 or len(body) != 5 + struct.unpack(">I", body[1:5])[0] or body[0] & 1:
                     raise ConnectError("invalid_argument", "malformed Connect envelope")
                 msg = parse_json_object(body[5:])
@@ -225,7 +230,8 @@ class Agent:
             except ConnectError as exc:
                 end = {"error": {"code": exc.code, "message": exc.message}}
             except HttpError as exc:
-                end = {"error": {"code": "invalid_argument", "message": exc.message}}
+                code = "resource_exhausted" if exc.status == 413 else "invalid_argument"
+                end = {"error": {"code": code, "message": exc.message}}
             except (ConnectionError, asyncio.IncompleteReadError):
                 raise
             except Exception as exc:
@@ -236,7 +242,7 @@ class Agent:
                     await stream.aclose()
             return await resp.finish(held + envelope(2, end))
         try:
-            body = await req.read_body()
+            body = await req.read_body(MAX_MESSAGE if name in INPUT_RPCS else MAX_CONTROL_MESSAGE)
             if name not in self.unary:
                 raise ConnectError("unimplemented", f"{name} is not implemented")
             out = await self.unary[name](parse_json_object(body), CallContext(self.default_user, req.headers))

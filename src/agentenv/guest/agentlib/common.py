@@ -20,7 +20,11 @@ from .spawn import LIBRARY, Spawner
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 OUTPUT_CHUNK = 32 * 1024        # max payload of one process data event (envd uses 32 KiB)
 FILE_CHUNK = 1024 * 1024        # unit of disk and socket I/O for /files
-MAX_MESSAGE = 16 * 1024 * 1024  # max size of one RPC request message
+MAX_MESSAGE = 16 * 1024 * 1024  # max size of one RPC message carrying a process's input
+# ... and of any other: JSON of a few MiB already becomes hundreds of MiB of Python objects
+# (a list of millions of args) in a guest of 512 MiB, parsed on the agent's only thread.
+MAX_CONTROL_MESSAGE = 4 * 1024 * 1024
+MAX_ARGS = 131072               # args + env vars of one command (the kernel takes 2 MiB in all)
 UPLOAD_PREFIX = ".aenv-upload-"  # hidden temp files of uploads that replace an existing file
 IDLE_TIMEOUT = 640.0            # keep-alive idle timeout, longer than the proxies' 610/620 s
 # A request head, once begun, must be complete within this many seconds (tests shorten it).

@@ -18,7 +18,7 @@ import stat
 import time
 import urllib.parse
 import zlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from .common import (
     FILE_CHUNK,
@@ -198,30 +198,21 @@ class FilesService:
         try:
             await blocking(make_dirs, os.path.dirname(path), user)
             fd, tmp, real_path = await blocking(open_upload_target, path, user)
-            inflate = zlib.decompressobj(wbits=31) if gzipped else None
+            inflate = GzipMembers() if gzipped else None
             # Pieces are gathered up to FILE_CHUNK and written with one writev in a worker
             # thread: not joined into one buffer first (a copy of every byte, as costly as the
             # write under emulation), and not one thread hand-off per network read.
             pending: list[bytes | bytearray] = []
             size = 0
             async for data in chunks:
-                if inflate:
-                    # Bounded output per step, so a small "gzip bomb" cannot blow up memory.
-                    data = inflate.decompress(data, FILE_CHUNK)
-                    while inflate.unconsumed_tail:
-                        pending.append(data)
+                for piece in (inflate.feed(data) if inflate else (data,)):
+                    pending.append(piece)
+                    size += len(piece)
+                    if size >= FILE_CHUNK:
                         await blocking(write_pieces, fd, pending)
                         pending, size = [], 0
-                        data = inflate.decompress(inflate.unconsumed_tail, FILE_CHUNK)
-                pending.append(data)
-                size += len(data)
-                if size >= FILE_CHUNK:
-                    await blocking(write_pieces, fd, pending)
-                    pending, size = [], 0
             if inflate:
-                pending.append(inflate.flush())
-                if not inflate.eof:
-                    raise zlib.error("truncated gzip stream")
+                pending.append(inflate.finish())
             await blocking(write_pieces, fd, pending)
             if metadata:
                 await blocking(set_metadata, fd, metadata)
@@ -317,3 +308,28 @@ def content_disposition(name: str) -> str:
     fallback = "".join(c if c.isascii() and c.isprintable() and c not in '"\\' else "_" for c in name)
     quoted = urllib.parse.quote(os.fsencode(name), safe="")
     return f"inline; filename=\"{fallback}\"; filename*=UTF-8''{quoted}"
+
+
+class GzipMembers:
+    """A gzip body, inflated member after member: ``cat a.gz b.gz`` and pigz make several, and
+    envd (Go's gzip reader) reads them all; zlib alone stops after the first and would drop
+    the rest. Output comes in steps of at most FILE_CHUNK, so a small "gzip bomb" cannot blow
+    up memory. Anything after a member that is not another member is a zlib.error."""
+
+    def __init__(self) -> None:
+        self._member = zlib.decompressobj(wbits=31)
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        while data:
+            if self._member.eof:  # the next member starts here
+                self._member = zlib.decompressobj(wbits=31)
+            out = self._member.decompress(data, FILE_CHUNK)
+            if out:
+                yield out
+            data = self._member.unconsumed_tail or (self._member.unused_data if self._member.eof else b"")
+
+    def finish(self) -> bytes:
+        out = self._member.flush()
+        if not self._member.eof:
+            raise zlib.error("truncated gzip stream")
+        return out

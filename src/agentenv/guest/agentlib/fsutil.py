@@ -228,7 +228,9 @@ class Multipart:
 
 
 def disposition_params(value: str) -> dict[str, str]:
-    return {k.lower(): v[1:-1].replace('\\"', '"') if v.startswith('"') else v.strip()
+    """A Content-Disposition's parameters; quoted values unescape every quoted pair (httpx
+    sends a backslash in a file name as two)."""
+    return {k.lower(): re.sub(r"\\(.)", r"\1", v[1:-1]) if v.startswith('"') else v.strip()
             for k, v in re.findall(r';\s*([\w*-]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)', value)}
 
 

@@ -26,6 +26,7 @@ from .common import (
     DISCONNECT_POLL,
     EXIT_GRACE,
     FINISHED_TTL,
+    MAX_ARGS,
     OUTPUT_CHUNK,
     SIGNALS,
     CallContext,
@@ -441,11 +442,19 @@ class ProcessManager:
     async def spawn(self, msg: dict, ctx: CallContext) -> tuple[Process, Subscriber]:
         """Start a process; the returned subscriber is attached before any output is read."""
         cfg = msg.get("process") or {}
-        cmd, args, envs = cfg.get("cmd"), [str(a) for a in cfg.get("args") or []], cfg.get("envs") or {}
+        cmd, raw_args, envs = cfg.get("cmd"), cfg.get("args") or [], cfg.get("envs") or {}
         if not cmd or not isinstance(cmd, str) or not isinstance(envs, dict):
             raise ConnectError("invalid_argument", "process.cmd is required")
-        try:  # what the kernel cannot take (a lone surrogate from JSON's \ud800) fails here, not mid-spawn
+        if not isinstance(raw_args, list):
+            raise ConnectError("invalid_argument", "process.args must be a list of strings")
+        if len(raw_args) + len(envs) > MAX_ARGS:  # before a Python string is made of each
+            raise ConnectError("invalid_argument", f"more than {MAX_ARGS} args and env vars: the kernel "
+                                                   "cannot start such a command")
+        args = [str(a) for a in raw_args]
+        try:  # what the kernel cannot take (a lone surrogate from JSON's \ud800, a NUL) fails here, not mid-spawn
             for s in (cmd, *args, *map(str, envs), *map(str, envs.values())):
+                if "\0" in s:
+                    raise ConnectError("invalid_argument", "process cmd, args and envs cannot contain NUL")
                 os.fsencode(s)
         except UnicodeError:
             raise ConnectError("invalid_argument", "process cmd, args and envs must be valid Unicode text") from None
@@ -469,7 +478,7 @@ class ProcessManager:
         pty_size = None
         if isinstance(pty_cfg, dict):
             size = pty_cfg.get("size") or {}
-            pty_size = (size.get("cols", 80), size.get("rows", 24))
+            pty_size = pty_dimensions(size)
         stdio = Stdio(pty_size, msg.get("stdin") is not False, user)
         try:
             # One vfork+exec with no Python in between (guest/spawn.c): it enters PID 1's mount
@@ -616,8 +625,23 @@ class ProcessManager:
         proc = self.find(msg.get("process"))
         size = (msg.get("pty") or {}).get("size")
         if size:
-            proc.resize(size.get("cols", 80), size.get("rows", 24))
+            proc.resize(*pty_dimensions(size))
         return {}
+
+
+def pty_dimensions(size: Any) -> tuple[int, int]:
+    """(cols, rows) of a PTY size message; each must fit the kernel's 16 bits."""
+    if not isinstance(size, dict):
+        raise ConnectError("invalid_argument", "pty.size must be an object with cols and rows")
+    out = []
+    for key, default in (("cols", 80), ("rows", 24)):
+        value = size.get(key, default)
+        if isinstance(value, str) and value.isdigit():  # protobuf's JSON allows numbers as strings
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0xFFFF:
+            raise ConnectError("invalid_argument", f"pty.size.{key} must be an integer from 0 to 65535")
+        out.append(value)
+    return out[0], out[1]
 
 
 def set_winsize(fd: int, cols: int, rows: int) -> None:
