@@ -436,3 +436,13 @@ def test_starts_the_kernel_would_refuse_are_invalid_and_cost_the_agent_little(ag
     assert (status, out["code"]) == (429, "resource_exhausted"), out  # Connect maps the code to 429
     status, frames = _start(agent, "/bin/echo", "still fine")
     assert any("end" in f[1].get("event", {}) for f in frames)
+
+
+def test_a_head_of_many_repeated_header_lines_is_refused(agent: RunningAgent) -> None:
+    """Repeated names are joined into one value; without a bound on the lines that cost time
+    quadratic in the head's size, before any token is checked."""
+    s = socket.create_connection(("127.0.0.1", _port(agent)), timeout=10)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"a: b\r\n" * 5000 + b"\r\n")
+    assert s.recv(4096).startswith(b"HTTP/1.1 431")
+    s.close()
+    assert httpx.get(agent.url + "/health").status_code == 204

@@ -179,6 +179,9 @@ class Response:
         await self.send(status, json_bytes(obj), {"Content-Type": "application/json", **(headers or {})})
 
 
+MAX_HEADER_LINES = 200
+
+
 async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Request | None:
     """Parse the next request head; None on a clean close or after the idle timeout. The head
     is read in one piece: one wakeup and one split, not a ``readline`` per header (under
@@ -207,6 +210,8 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         if text:
             break
     lines = text.split("\r\n")
+    if len(lines) > MAX_HEADER_LINES:  # repeated names are joined below: bound that work too
+        raise HttpError(431, "too many header lines")
     parts = lines[0].split()
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise HttpError(400, "malformed request line")
@@ -215,7 +220,7 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         if not raw:
             continue
         name, sep, value = raw.partition(":")
-        if not sep or len(headers) > 200:
+        if not sep:
             raise HttpError(400, "malformed header")
         key = name.strip().lower()
         headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
