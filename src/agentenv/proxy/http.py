@@ -298,6 +298,8 @@ class SandboxProxy:
                     attempts -= 1
                     if attempts:
                         await asyncio.sleep(self.dial_delay_s)
+                        if self.running(sandbox_id) is False:  # killed or paused meanwhile: its
+                            raise not_found(sandbox_id) from None  # client may be closed by now
             if resp is None:
                 raise port_closed(sandbox_id, port)
             try:
