@@ -34,10 +34,12 @@ def mem_available_mb() -> int | None:
     return None
 
 
-def memory_shortfall(reserve_mb: int, more: int = 1) -> str | None:
-    """Why ``more`` new sandboxes would eat into the reserve, or None when they fit."""
+def memory_shortfall(reserve_mb: int, more: int = 1, extra_mb: int = 0) -> str | None:
+    """Why ``more`` new sandboxes would eat into the reserve, or None when they fit.
+    ``extra_mb``: what they take beyond the least (a resume writes its memory layers into
+    the new VM's RAM)."""
     avail = mem_available_mb()
-    need = more * SANDBOX_MIN_MB
+    need = more * SANDBOX_MIN_MB + extra_mb
     if avail is None or avail - need >= reserve_mb:
         return None
     return (f"the host has {avail} MiB of memory available and keeps {reserve_mb} MiB free "

@@ -40,8 +40,10 @@ from agentenv.orchestrator.lifecycle import State
 
 if TYPE_CHECKING:
     from agentenv.network import Slot
+    from agentenv.orchestrator.sandbox import LiveSandbox
     from agentenv.orchestrator.service import Orchestrator
     from agentenv.orchestrator.store import SandboxRecord
+    from agentenv.storage import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -125,53 +127,62 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
                 return woken
         parking.evict(orch, live, why="resumed without its memory")  # if it has one still
         await live.settled()
-        await orch.admit()
-        if not memory and not cp.filesystem_only:
-            cp = cp.with_(memory=(), device=None)
-        await orch._transition(live, State.RESUMING)
-        rec = live.record
-        own_disk = cp.disk_top is not None and not cp.filesystem_only
-        recorded = False
+        # Counted until its VM holds its memory, as creates are, with the pages its layers
+        # write into that VM's RAM: resumes at once must not each see the same free memory.
+        layers_mb = sum(r.size for r in cp.memory) >> 20 if memory else 0
+        async with orch.admitted(extra_mb=layers_mb):
+            return await _restore(orch, live, cp, timeout, memory)
 
-        async def record_vm(slot: Slot) -> None:
-            nonlocal recorded
-            # Once the guest runs on its own disk there is no going back to the saved state:
-            # with its slot recorded, recovery re-adopts this VM if the server dies from here on,
-            # with the time to live this resume gives it (the old one may be long past: the
-            # reaper would kill the re-adopted sandbox at once).
-            live.record = live.record.with_(slot_index=slot.index, end_at=time.time() + timeout, timeout_s=timeout)
-            await orch.store.put(live.record)
-            recorded = True
 
-        try:
-            # On its own disk, a guest that ran is kept even if it does not answer (see below).
-            started = await start_from_checkpoint(
-                orch, cp, sandbox_id=rec.id, access_token=rec.access_token, template=rec.template,
-                env_vars={}, run_dir=Path(rec.run_dir), disk_top=Path(cp.disk_top) if cp.disk_top else None,
-                options=rec.options, keep_if_silent=cp.disk_top is not None,
-                before_run=record_vm if own_disk else None)
-        except BaseException as exc:
-            # Cancelled once its VM was recorded, the server stops: the VM is left ``resuming``
-            # as a crash would leave it, for the next start's recovery (start_from_checkpoint).
-            if not (recorded and isinstance(exc, asyncio.CancelledError)):
-                live.record = live.record.with_(slot_index=None, end_at=rec.end_at, timeout_s=rec.timeout_s)
-                await orch._transition(live, State.PAUSED)
-            raise
-        live.machine, live.slot, live.envd = started.machine, started.slot, started.envd
-        live.record = rec.with_(state=State.RUNNING, origin=cp, paused=None, slot_index=started.slot.index,
-                                disk_path=started.disk, end_at=time.time() + timeout, timeout_s=timeout)
+async def _restore(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: int,
+                   memory: bool) -> SandboxRecord:
+    """The paused sandbox into a new QEMU restored from ``cp`` (its parked VM, if any, is gone)."""
+    if not memory and not cp.filesystem_only:
+        cp = cp.with_(memory=(), device=None)
+    await orch._transition(live, State.RESUMING)
+    rec = live.record
+    own_disk = cp.disk_top is not None and not cp.filesystem_only
+    recorded = False
+
+    async def record_vm(slot: Slot) -> None:
+        nonlocal recorded
+        # Once the guest runs on its own disk there is no going back to the saved state:
+        # with its slot recorded, recovery re-adopts this VM if the server dies from here on,
+        # with the time to live this resume gives it (the old one may be long past: the
+        # reaper would kill the re-adopted sandbox at once).
+        live.record = live.record.with_(slot_index=slot.index, end_at=time.time() + timeout, timeout_s=timeout)
         await orch.store.put(live.record)
-        orch._watch(live)
-        # The record pins the layers now; the pause manifest is no longer needed.
-        await orch.drop_checkpoint(cp.id)
-        orch.schedule_gc()
-        if started.silent is not None:
-            # The guest ran on the sandbox's disk: back to the saved state, memory and disk
-            # would no longer match. It stays running, as a resume on a parked VM does.
-            if isinstance(started.silent, GuestError):
-                orch.init_later(live)
-            raise started.silent
-        return live.record
+        recorded = True
+
+    try:
+        # On its own disk, a guest that ran is kept even if it does not answer (see below).
+        started = await start_from_checkpoint(
+            orch, cp, sandbox_id=rec.id, access_token=rec.access_token, template=rec.template,
+            env_vars={}, run_dir=Path(rec.run_dir), disk_top=Path(cp.disk_top) if cp.disk_top else None,
+            options=rec.options, keep_if_silent=cp.disk_top is not None,
+            before_run=record_vm if own_disk else None)
+    except BaseException as exc:
+        # Cancelled once its VM was recorded, the server stops: the VM is left ``resuming``
+        # as a crash would leave it, for the next start's recovery (start_from_checkpoint).
+        if not (recorded and isinstance(exc, asyncio.CancelledError)):
+            live.record = live.record.with_(slot_index=None, end_at=rec.end_at, timeout_s=rec.timeout_s)
+            await orch._transition(live, State.PAUSED)
+        raise
+    live.machine, live.slot, live.envd = started.machine, started.slot, started.envd
+    live.record = rec.with_(state=State.RUNNING, origin=cp, paused=None, slot_index=started.slot.index,
+                            disk_path=started.disk, end_at=time.time() + timeout, timeout_s=timeout)
+    await orch.store.put(live.record)
+    orch._watch(live)
+    # The record pins the layers now; the pause manifest is no longer needed.
+    await orch.drop_checkpoint(cp.id)
+    orch.schedule_gc()
+    if started.silent is not None:
+        # The guest ran on the sandbox's disk: back to the saved state, memory and disk
+        # would no longer match. It stays running, as a resume on a parked VM does.
+        if isinstance(started.silent, GuestError):
+            orch.init_later(live)
+        raise started.silent
+    return live.record
 
 
 async def connect(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,

@@ -53,6 +53,16 @@ class WarmPool:
         self._wake.set()
         return None
 
+    async def give_back(self, why: str) -> bool:
+        """Destroy one ready shell (of the fullest template), for a sandbox someone asked for;
+        False when there is none. The pool refills once the host has room again."""
+        fullest = max(self._shells.values(), key=len, default=[])
+        if not fullest:
+            return False
+        log.warning("warm pool: gave back a ready shell: %s", why)
+        await fullest.pop().destroy(self._slots)
+        return True
+
     def _destroy_later(self, shell: Shell) -> None:
         task = asyncio.get_running_loop().create_task(shell.destroy(self._slots))
         self._destroying.add(task)

@@ -94,7 +94,9 @@ class Orchestrator:
             guest_aslr=settings.guest_aslr,
         )
         self.pool = WarmPool(settings.pool_size, self._make_shell, self.slots,
-                             may_grow=lambda: memory_shortfall(settings.mem_reserve_mb) is None,
+                             # It stops a sandbox short of where creates stop: the headroom
+                             # they are admitted into is not the pool's to fill.
+                             may_grow=lambda: memory_shortfall(settings.mem_reserve_mb, 2) is None,
                              # parked VMs go first (orchestrator/parking.py)
                              must_shrink=lambda: below_reserve(settings.mem_reserve_mb) and not parking.parked(self))
         self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
@@ -110,6 +112,7 @@ class Orchestrator:
         self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
         self._reap_retry: dict[str, tuple[float, float]] = {}  # a failed timeout action: (next try, delay)
         self._admitting = 0  # VMs admitted and starting, not yet in _live (see admitted())
+        self._admitting_mb = 0  # ... and what they take beyond SANDBOX_MIN_MB each
         self._starting: list[Checkpoint] = []  # saved states sandboxes are being started from
         self.registry = registry or RegistrySettings()  # where images are pulled from (server.py reads the env)
         self._image_locks: dict[str, asyncio.Lock] = {}
@@ -252,34 +255,44 @@ class Orchestrator:
                 f"this node runs {active} of its maximum of {self.settings.max_sandboxes} sandboxes; "
                 f"kill or pause some, or retry later")
 
-    async def admit(self, more: int = 1) -> None:
+    async def admit(self, more: int = 1, extra_mb: int = 0) -> None:
         """Raise CapacityExhausted unless ``more`` new VMs fit: by count, and by host memory,
-        once parked VMs (their state is saved) have been freed for it. Parked VMs count
-        against AENV_MAX_SANDBOXES too, so they never hold more VMs (and slots) than it."""
-        active = self._active()
-        while active + len(parking.parked(self)) + more > self.settings.max_sandboxes:
-            if not await parking.evict_oldest(self, "room for a new VM (AENV_MAX_SANDBOXES)"):
-                break
-        self.check_count(more)
-        # Sandboxes admitted and still starting have not taken their memory yet: counted here.
-        while (why := memory_shortfall(self.settings.mem_reserve_mb, more + self._admitting)) is not None:
-            if not await parking.evict_oldest(self, "memory for a new VM"):
+        once parked VMs (their state is saved), then warm-pool shells (idle sandboxes nobody
+        asked for yet) have been freed for it. Parked VMs count against AENV_MAX_SANDBOXES
+        too, so they never hold more VMs (and slots) than it. Both limits are looked at again
+        after every wait, with no wait between the last look and the caller's count
+        (``admitted``): creates that came in meanwhile may have taken the room."""
+        while True:
+            if self._active() + len(parking.parked(self)) + more > self.settings.max_sandboxes:
+                if await parking.evict_oldest(self, "room for a new VM (AENV_MAX_SANDBOXES)"):
+                    continue
+            self.check_count(more)
+            # Sandboxes admitted and still starting have not taken their memory yet: counted here.
+            why = memory_shortfall(self.settings.mem_reserve_mb, more + self._admitting,
+                                   extra_mb + self._admitting_mb)
+            if why is None:
+                return
+            if not (await parking.evict_oldest(self, "memory for a new VM")
+                    or await self.pool.give_back(f"memory for a new VM ({why})")):
                 raise CapacityExhausted(f"{why}: kill or pause some sandboxes, or retry later", retry_after=5)
 
     @contextlib.asynccontextmanager
-    async def admitted(self, more: int = 1, starting: Checkpoint | None = None) -> AsyncIterator[None]:
+    async def admitted(self, more: int = 1, starting: Checkpoint | None = None,
+                       extra_mb: int = 0) -> AsyncIterator[None]:
         """``admit`` ``more`` new VMs and count them until the caller has put them in ``_live``
         (or failed), so that creates running at once see each other against the limits.
         ``starting``: the saved state they start from, kept from gc meanwhile (its snapshot
-        may be deleted while they start)."""
-        await self.admit(more)
+        may be deleted while they start). ``extra_mb``: see ``memory_shortfall``."""
+        await self.admit(more, extra_mb)
         self._admitting += more
+        self._admitting_mb += extra_mb
         if starting is not None:  # (rebound, not changed in place: gc reads it from a thread)
             self._starting = [*self._starting, starting]
         try:
             yield
         finally:
             self._admitting -= more
+            self._admitting_mb -= extra_mb
             if starting is not None:
                 self._starting = [cp for cp in self._starting if cp is not starting]
 
