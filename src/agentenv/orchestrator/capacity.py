@@ -9,8 +9,10 @@ caller gets a typed "try again" (429) that says why, once the stopped VMs of pau
 kept for a quick resume have been freed for it (orchestrator/parking.py). Below the reserve
 itself, those go first, then the warm pool gives back the shells it holds (an idle restored
 sandbox each), so the memory goes to the running sandboxes instead of to ones nobody asked for
-yet; it refills once a new sandbox fits again (``SANDBOX_MIN_MB`` above the reserve, which
-keeps the two from alternating).
+yet; a create short of memory gets shells given back the same way before its 429. The pool
+refills once two new sandboxes fit again (one more than a create needs: the headroom creates
+are admitted into is not the pool's, and the margin keeps shrinking and refilling from
+alternating).
 """
 
 from __future__ import annotations
