@@ -13,6 +13,7 @@ import sys
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand, TyperOption
 
 from agentenv.cli.client import ApiClient, client_for
 from agentenv.cli.context import CliError
@@ -20,6 +21,30 @@ from agentenv.cli.params import parse_pairs
 
 # `aenv exec ID ls -la` passes -la on to the command; only --help (not -h) is ours.
 CONTEXT = {"ignore_unknown_options": True, "help_option_names": ["--help"]}
+
+
+class ExecCommand(TyperCommand):
+    """Our options go between ID and the command; from the command's first word on, every
+    argument is the command's, as if ``--`` stood before it (``aenv exec ID grep -e x f`` keeps
+    its ``-e``, which click would otherwise take as ``--env``)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        takes_value = {name for p in self.params if isinstance(p, TyperOption) and not p.is_flag
+                       for name in p.opts}
+        positional, i = 0, 0
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":
+                break
+            if arg.startswith("-") and arg != "-":
+                i += 2 if arg in takes_value else 1  # (--opt=value is one argument)
+                continue
+            positional += 1
+            if positional == 2:  # the command's first word
+                args = [*args[:i], "--", *args[i:]]
+                break
+            i += 1
+        return super().parse_args(ctx, args)
 
 
 def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, envs: dict[str, str] | None = None,
@@ -36,7 +61,11 @@ def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, env
         for line in resp.iter_lines():
             if not line.strip():
                 continue
-            event = json.loads(line)
+            try:
+                event = json.loads(line)
+            except ValueError:
+                raise CliError(f"the server's output stream is not NDJSON (a proxy in between?): "
+                               f"{line[:120]!r}") from None
             kind = event.get("type")
             if kind in ("stdout", "pty"):
                 _write(sys.stdout, event.get("data", ""))
@@ -50,8 +79,16 @@ def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, env
 
 
 def _write(stream: Any, data: str) -> None:
-    stream.write(data)
-    stream.flush()
+    """The command's bytes as it wrote them: the server sends bytes that are not UTF-8 as
+    lone surrogates (surrogateescape), and they go out as those bytes again."""
+    raw = getattr(stream, "buffer", None)
+    if raw is None:  # a text-only stream (tests capturing output)
+        stream.write(data)
+        stream.flush()
+        return
+    stream.flush()  # what went through the text layer first
+    raw.write(data.encode("utf-8", "surrogateescape"))
+    raw.flush()
 
 
 def _exit_code(end: dict[str, Any]) -> int:

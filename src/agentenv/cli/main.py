@@ -89,7 +89,7 @@ app.command("auth")(auth.auth)
 # Sandboxes
 app.command("start")(sandbox.start)
 app.command("connect")(sandbox.connect)
-app.command("exec", context_settings=execute.CONTEXT)(execute.exec_command)
+app.command("exec", context_settings=execute.CONTEXT, cls=execute.ExecCommand)(execute.exec_command)
 app.command("ls")(sandbox.ls)
 app.command("timeout")(sandbox.set_timeout)
 app.command("rm")(sandbox.rm)

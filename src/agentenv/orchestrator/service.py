@@ -570,6 +570,18 @@ class Orchestrator:
     def exec_stream(self, sandbox_id: str, cmd: str | list[str], **kw: object) -> AsyncIterator[ProcessEvent]:
         return self.envd(sandbox_id).stream(cmd, **kw)  # type: ignore[arg-type]
 
+    def abandon_command(self, sandbox_id: str, pid: int) -> None:
+        """Kill a command whose caller went away before its end (Ctrl-C on ``aenv exec``), as a
+        local command goes with its terminal. In the background: the caller's request is being
+        torn down; a sandbox or process already gone is no error."""
+        async def kill() -> None:
+            try:
+                await self.envd(sandbox_id).send_signal(pid, "SIGKILL")
+            except (SandboxNotFound, SandboxStateError, EnvdError):
+                pass
+
+        self._in_background(kill(), f"killing command {pid} of {sandbox_id}")
+
     # -- saved states: pause, resume, snapshot, fork (orchestrator/pausing.py, forking.py) --
 
     async def pull(self, image: str, *, name: str | None = None, username: str | None = None,

@@ -5,6 +5,7 @@ Command output and file contents stream in both directions; nothing is buffered 
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import AsyncIterator
 
@@ -30,19 +31,36 @@ async def exec_command(sandbox_id: str, body: ExecRequest, request: Request) -> 
                                   timeout=_timeout(body.timeout))
 
         async def ndjson() -> AsyncIterator[bytes]:
+            # One decoder per stream: a character split across chunks is whole, and bytes that
+            # are not UTF-8 come as lone surrogates U+DC80..U+DCFF (Python's surrogateescape),
+            # so a client gets the exact bytes back (aenv exec does: binary output passes).
+            decoders = {k: codecs.getincrementaldecoder("utf-8")("surrogateescape")
+                        for k in ("stdout", "stderr", "pty")}
+            pid, ended = None, False
             try:
                 async for ev in events:
                     d: dict[str, object] = {"type": ev.type}
                     if ev.type == "start":
-                        d["pid"] = ev.pid
-                    elif ev.type in ("stdout", "stderr", "pty"):
-                        d["data"] = ev.data.decode(errors="replace")
+                        d["pid"] = pid = ev.pid
+                    elif ev.type in decoders:
+                        d["data"] = decoders[ev.type].decode(ev.data)
+                        if not d["data"]:
+                            continue
                     elif ev.type == "end":
+                        for kind, dec in decoders.items():  # an incomplete character at the end
+                            if rest := dec.decode(b"", final=True):
+                                yield json.dumps({"type": kind, "data": rest}).encode() + b"\n"
+                        ended = True
                         d.update(exitCode=ev.exit_code, status=ev.status, error=ev.error)
                     yield json.dumps(d).encode() + b"\n"
             except Exception as exc:  # noqa: BLE001 — the 200 is sent: report in the stream
                 msg = exc.message if isinstance(exc, EnvdError) else f"lost the guest agent: {exc!r}"
                 yield json.dumps({"type": "error", "message": msg}).encode() + b"\n"
+            finally:
+                if pid is not None and not ended:
+                    # The client went away (Ctrl-C on aenv exec) before the end: the command
+                    # goes too, as a local one would with its terminal.
+                    orch.abandon_command(sandbox_id, pid)
 
         return StreamingResponse(ndjson(), media_type="application/x-ndjson")
     res = await orch.exec(sandbox_id, body.cmd, envs=body.envs, cwd=body.cwd, user=body.user,
