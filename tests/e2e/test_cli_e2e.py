@@ -164,6 +164,21 @@ def test_cli_connect_resumes_a_paused_sandbox(server: ServerProcess, api: httpx.
     finally:
         term.close()
     assert api.get(f"/sandboxes/{sandbox}").json()["state"] == "running"
+    # The window closes (SIGHUP) while a command runs in the shell: the shell and its
+    # foreground command end in the sandbox too (they ran on, one shell left per window).
+    term = Terminal(server, "connect", sandbox)
+    try:
+        prompt = term.expect(r"[$#] $", timeout=120).end()
+        term.type("sleep 77\r")
+        term.expect("sleep 77", since=prompt)
+        time.sleep(2)
+        term.proc.send_signal(signal.SIGHUP)
+        assert term.proc.wait(timeout=60) == 128 + signal.SIGHUP
+    finally:
+        term.close()
+    left = run(api, sandbox, "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done"
+                             " | grep -c '^sleep 77 ' || true")["stdout"]
+    assert left.strip() == "0", "the shell's command ran on after its window closed"
 
 
 def test_cli_doctor_against_a_live_server(server: ServerProcess) -> None:

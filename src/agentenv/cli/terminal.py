@@ -231,6 +231,7 @@ async def _terminal_session(envd: EnvdClient) -> int:
                     elif ev.type in ("pty", "stdout", "stderr"):
                         _write(out, ev.data)
                     elif ev.type == "end":
+                        pid = 0  # ended: nothing to clean up in the sandbox
                         return _exit_code(ev.exit_code, ev.exited, ev.status)
         finally:
             loop.remove_reader(fd)
@@ -241,4 +242,9 @@ async def _terminal_session(envd: EnvdClient) -> int:
             for task in list(tasks):
                 with suppress(asyncio.CancelledError, Exception):
                     await task
+            if pid:  # aenv is going (SIGHUP: its window closed; SIGTERM; an error) before the
+                # shell ended: the shell goes too, as a local one does with its terminal, not
+                # left running in the sandbox with its jobs
+                with suppress(EnvdError, asyncio.TimeoutError):
+                    await asyncio.wait_for(envd.send_signal(pid, "SIGKILL"), 10)
         raise EnvdError("internal", "the shell's output stream ended without an exit status")
