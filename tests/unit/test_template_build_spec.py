@@ -157,7 +157,10 @@ def test_copy_upload_is_a_tar_relative_to_the_context_and_its_hash_follows_conte
     (tmp_path / "sub" / "deep" / "f.txt").write_text("one")
     (tmp_path / "a.txt").write_text("a")
     def names(src: str) -> list[str]:
-        with tarfile.open(fileobj=io.BytesIO(tar_gz(tmp_path, src)), mode="r:gz") as t:
+        buf = io.BytesIO()
+        tar_gz(tmp_path, src, buf)
+        buf.seek(0)
+        with tarfile.open(fileobj=buf, mode="r:gz") as t:
             return t.getnames()
 
     assert names("sub") == ["sub", "sub/deep", "sub/deep/f.txt"]

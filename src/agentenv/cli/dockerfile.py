@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import io
 import json
 import os
 import re
@@ -28,7 +27,7 @@ import shlex
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 class BuildFileError(ValueError):
@@ -209,10 +208,9 @@ def files_hash(context: Path, src: str, dest: str) -> str:
     return h.hexdigest()
 
 
-def tar_gz(context: Path, src: str) -> bytes:
-    """The matched files, named relative to the context (what the E2B SDK uploads)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+def tar_gz(context: Path, src: str, out: BinaryIO) -> None:
+    """The matched files, named relative to the context (what the E2B SDK uploads), written
+    to ``out`` (a temporary file: a context may hold GiBs, which must not sit in memory)."""
+    with tarfile.open(fileobj=out, mode="w:gz") as tar:
         for p in _matches(context, src):
             tar.add(context / p, arcname=p.as_posix(), recursive=False)
-    return buf.getvalue()

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import re
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 import httpx
 import typer
@@ -154,14 +156,18 @@ def build(
             step["filesHash"] = h
             link = client.call("GET", f"/templates/{tid}/files/{h}")
             if not link.get("present"):
-                data = tar_gz(context, c.sources[0])
-                try:
-                    r = httpx.put(link["url"], content=data, timeout=3600, trust_env=False)
-                except httpx.HTTPError as exc:
-                    raise CliError(f"upload of COPY {c.sources[0]} failed: {exc}") from None
+                with tempfile.TemporaryFile() as data:
+                    tar_gz(context, c.sources[0], data)
+                    size = data.tell()
+                    data.seek(0)
+                    try:  # streamed from the file, with its length
+                        r = httpx.put(link["url"], content=_chunks(data), timeout=3600, trust_env=False,
+                                      headers={"Content-Length": str(size)})
+                    except httpx.HTTPError as exc:
+                        raise CliError(f"upload of COPY {c.sources[0]} failed: {exc}") from None
                 if r.is_error:
                     raise CliError(f"upload of COPY {c.sources[0]} failed: HTTP {r.status_code} {r.text[:200]}")
-                show({"message": f"uploaded {c.sources[0]} ({len(data)} bytes)", "level": "info"})
+                show({"message": f"uploaded {c.sources[0]} ({size} bytes)", "level": "info"})
         client.call("POST", f"/v2/templates/{tid}/builds/{bid}", json=body)
         offset, status = 0, "building"
         while True:
@@ -191,3 +197,8 @@ def rm(
     """Remove built templates (sandboxes already started from them keep running)."""
     with client_for(ctx) as client:
         delete_each(client, {n: f"/templates/{n}" for n in names})
+
+
+def _chunks(f: BinaryIO) -> Iterator[bytes]:
+    while chunk := f.read(1 << 20):
+        yield chunk
