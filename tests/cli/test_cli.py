@@ -410,3 +410,21 @@ def test_serve_turns_platform_errors_into_one_line(aenv, monkeypatch):
     assert res.stderr.startswith("starting AgentENV on http://127.0.0.1:8000")
     assert res.stderr.endswith("\nerror: no guest images under /x; run `aenv setup` first\n")
     assert "Traceback" not in res.output
+
+
+def test_exec_keeps_the_commands_own_options_and_writes_its_bytes(aenv, stub):
+    """After the command's first word every argument is the command's (grep's -e is not
+    --env); output the server sends as surrogate escapes goes out as the original bytes."""
+    stub.on("POST", "/sandboxes/sb1/exec", ndjson(
+        {"type": "stdout", "data": "\udcff\udcfe-é\n"}, {"type": "end", "exitCode": 0, "status": "exit status 0"}))
+    res = aenv("--url", stub.url, "exec", "sb1", "-e", "A=1", "grep", "-e", "root", "/etc/passwd")
+    assert res.exit_code == 0, res.output
+    assert stub.requests[-1].json()["cmd"] == ["grep", "-e", "root", "/etc/passwd"]
+    assert stub.requests[-1].json()["envs"] == {"A": "1"}
+    assert res.stdout_bytes == b"\xff\xfe-" + "é".encode() + b"\n"
+
+
+def test_an_unusable_server_address_or_key_is_one_line_not_a_traceback(aenv):
+    for args in (["--url", "http://127.0.0.1:80x"], ["--url", "http://[::1"]):
+        res = aenv(*args, "ls")
+        assert res.exit_code == 1 and "not usable" in res.stderr and "Traceback" not in res.output

@@ -31,10 +31,17 @@ class ApiClient:
         headers = {"User-Agent": f"aenv/{__version__}"}
         if key:
             headers["X-API-Key"] = key
-        host = urlsplit(self.url).hostname or ""
-        # Never send a local server's traffic through an HTTP(S)_PROXY from the environment.
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
-                                  trust_env=host not in ("127.0.0.1", "localhost", "::1"))
+        try:
+            host = urlsplit(self.url).hostname or ""
+            if not key or not key.isascii():
+                headers.pop("X-API-Key", None)
+                if key:
+                    raise ValueError("the API key must be ASCII (e2b_ and 40 hex digits)")
+            # Never send a local server's traffic through an HTTP(S)_PROXY from the environment.
+            self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
+                                      trust_env=host not in ("127.0.0.1", "localhost", "::1"))
+        except (ValueError, httpx.InvalidURL) as exc:
+            raise CliError(f"the server address {url!r} or the API key is not usable: {exc}") from None
 
     def __enter__(self) -> ApiClient:
         return self
@@ -76,6 +83,8 @@ class ApiClient:
             raise CliError(f"the server at {self.url} did not answer in time ({type(exc).__name__})") from exc
         except httpx.HTTPError as exc:
             raise CliError(f"request to {self.url} failed: {_reason(exc)}") from exc
+        except httpx.InvalidURL as exc:  # a base URL httpx takes but cannot send to
+            raise CliError(f"the server address {self.url!r} is not usable: {exc}") from exc
 
 
 def raise_for_error(resp: httpx.Response) -> None:
