@@ -12,7 +12,7 @@ import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from agentenv.errors import ExternalCommandError, NetworkError
+from agentenv.errors import CapacityExhausted, ExternalCommandError, NetworkError
 from agentenv.network.rules import (
     GUEST_ADDR,
     GUEST_GW,
@@ -121,7 +121,9 @@ class SlotPool:
             if i not in self._used:
                 self._used.add(i)
                 return i
-        raise NetworkError(f"all {self.capacity} network slots of {self.net} are in use")
+        # A node full by its slot range, as by its count limit: the caller may retry (429).
+        raise CapacityExhausted(f"all {self.capacity} network slots of {self.net} are in use; kill or pause "
+                                f"some sandboxes, or give the node a larger AENV_SLOT_CIDR", retry_after=5)
 
     async def remove_orphans(self, keep: set[int]) -> list[str]:
         """Delete namespaces of ours that no sandbox owns (left by a crashed server)."""
