@@ -358,3 +358,22 @@ def test_disk_chain_is_bounded_by_streaming(node: ServerProcess) -> None:
         for snap in snaps:
             api.delete(f"/snapshots/{snap}")
     restart(node, AENV_MAX_DISK_LAYERS="16")
+
+
+def test_a_timeout_action_that_hangs_holds_up_no_other_sandbox(node: ServerProcess) -> None:
+    """The reaper pauses or kills sandboxes past their timeout a few at a time: one whose
+    auto-pause hangs (injected: it stops at a crash point, holding its lock) does not keep the
+    next from being killed at its own timeout (the reaper awaited each in turn)."""
+    restart(node, faults="pause_before_publish")
+    with node.client() as api:
+        hung = api.post("/sandboxes", json={"templateID": "base", "timeout": 1, "autoPause": True}).json()["sandboxID"]
+        wait_for_log(node, "crash point pause_before_publish reached", timeout=60)
+        other = api.post("/sandboxes", json={"templateID": "base", "timeout": 1}).json()["sandboxID"]
+        deadline = time.monotonic() + 30
+        while api.get(f"/sandboxes/{other}").status_code != 404 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert api.get(f"/sandboxes/{other}").status_code == 404, "killed at its timeout"
+    restart(node)  # SIGKILL at the crash point, then a clean start: the pause never happened
+    with node.client() as api:
+        assert state(api, hung) == "running"
+        api.delete(f"/sandboxes/{hung}")

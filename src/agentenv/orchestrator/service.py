@@ -60,6 +60,8 @@ from agentenv.vmm import AccelInfo, detect_accel, ksm
 
 log = logging.getLogger(__name__)
 
+REAP_CONCURRENCY = 4  # sandboxes past their timeout killed or paused at once
+
 
 INIT_RETRY_S = 5.0  # init_later: between tries, and the bound of each
 
@@ -510,23 +512,42 @@ class Orchestrator:
         return live
 
     async def _reaper(self) -> None:
-        """Kill (or, with auto-pause, pause) running sandboxes whose timeout has passed."""
-        while True:
-            await asyncio.sleep(0.5)
-            now = time.time()
-            for live in list(self._live.values()):
-                if live.past_end() and self._reap_retry.get(live.id, (0.0, 0.0))[0] <= now:
-                    action = "pause" if live.record.auto_pause else "kill"
-                    log.info("sandbox %s reached its timeout: %s", live.id, action)
-                    try:
-                        await (self._auto_pause(live) if live.record.auto_pause else self.kill(live.id, due=True))
-                        self._reap_retry.pop(live.id, None)
-                    except Exception as exc:  # noqa: BLE001 — background
-                        # Retried with a growing delay (a full disk stays full for a while); the
-                        # sandbox keeps running meanwhile: nothing is lost, and the log says why.
-                        delay = min(60.0, 2 * self._reap_retry.get(live.id, (0.0, 2.5))[1])
-                        self._reap_retry[live.id] = (time.time() + delay, delay)
-                        log.error("reaper could not %s %s (%r); retrying in %.0f s", action, live.id, exc, delay)
+        """Kill (or, with auto-pause, pause) running sandboxes whose timeout has passed, a few
+        at a time: a batch of rollouts that all time out together is not handled one after the
+        other (each pause waits for its disk write, and for a sandbox busy with another
+        operation), and one sandbox stuck on its lock holds up no other."""
+        reaping: dict[str, asyncio.Task[None]] = {}
+        slots = asyncio.Semaphore(REAP_CONCURRENCY)
+        try:
+            while True:
+                await asyncio.sleep(0.5)
+                now = time.time()
+                for live in list(self._live.values()):
+                    if (live.id not in reaping and live.past_end()
+                            and self._reap_retry.get(live.id, (0.0, 0.0))[0] <= now):
+                        task = asyncio.create_task(self._reap(live, slots), name=f"reap-{live.id}")
+                        reaping[live.id] = task
+                        task.add_done_callback(lambda _t, sid=live.id: reaping.pop(sid, None))
+        finally:
+            for task in list(reaping.values()):
+                task.cancel()
+            await asyncio.gather(*reaping.values(), return_exceptions=True)
+
+    async def _reap(self, live: LiveSandbox, slots: asyncio.Semaphore) -> None:
+        async with slots:
+            action = "pause" if live.record.auto_pause else "kill"
+            log.info("sandbox %s reached its timeout: %s", live.id, action)
+            try:
+                await (self._auto_pause(live) if live.record.auto_pause else self.kill(live.id, due=True))
+                self._reap_retry.pop(live.id, None)
+            except SandboxNotFound:  # killed meanwhile
+                self._reap_retry.pop(live.id, None)
+            except Exception as exc:  # noqa: BLE001 — background
+                # Retried with a growing delay (a full disk stays full for a while); the
+                # sandbox keeps running meanwhile: nothing is lost, and the log says why.
+                delay = min(60.0, 2 * self._reap_retry.get(live.id, (0.0, 2.5))[1])
+                self._reap_retry[live.id] = (time.time() + delay, delay)
+                log.error("reaper could not %s %s (%r); retrying in %.0f s", action, live.id, exc, delay)
 
     async def _auto_pause(self, live: LiveSandbox) -> None:
         """E2B's auto-pause; ``autoPauseMemory: false`` makes it filesystem-only. When the guest
