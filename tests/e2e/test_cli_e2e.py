@@ -188,43 +188,29 @@ def test_cli_doctor_against_a_live_server(server: ServerProcess) -> None:
 
 
 def test_cli_exec_passes_bytes_exactly_keeps_the_commands_options_and_ctrl_c_ends_it(
-        server: ServerProcess, tmp_path: Path) -> None:
+        server: ServerProcess, api: httpx.Client, sandbox: str, tmp_path: Path) -> None:
     """Output that is not UTF-8 (a binary file) or a character split across two writes comes
     out byte for byte (each chunk was decoded alone, with U+FFFD for what did not decode); the
     command's own -e stays its own; Ctrl-C on aenv exec ends the command in the sandbox too
     (it ran on)."""
     env = {**os.environ, "AENV_URL": server.url, "AENV_API_KEY": server.api_key}
-    sid = server_sandbox(server)
-    try:
-        blob = os.urandom(200_000)
-        src = tmp_path / "blob.bin"
-        src.write_bytes(blob)
-        assert aenv(server, "upload", sid, str(src), "/tmp/blob.bin").returncode == 0
-        r = subprocess.run([*AENV, "exec", sid, "cat", "/tmp/blob.bin"], capture_output=True, env=env, timeout=120)
-        assert r.returncode == 0 and r.stdout == blob
-        r = subprocess.run([*AENV, "exec", sid, "--", "sh", "-c", r"printf '\303'; sleep 0.3; printf '\251\n'"],
-                           capture_output=True, env=env, timeout=120)
-        assert r.stdout == "é\n".encode()
-        r = subprocess.run([*AENV, "exec", sid, "grep", "-e", "root", "/etc/passwd"], capture_output=True, env=env,
-                           timeout=120)
-        assert r.returncode == 0 and r.stdout.startswith(b"root:")
-        p = subprocess.Popen([*AENV, "exec", sid, "--", "sh", "-c", "sleep 4; touch /tmp/ctrl-c-marker"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        time.sleep(2.0)
-        p.send_signal(signal.SIGINT)
-        assert p.wait(30) == 130
-        time.sleep(4.0)
-        assert run_in(server, sid, "test -e /tmp/ctrl-c-marker; echo $?") == "1\n", "the command ran on"
-    finally:
-        aenv(server, "rm", sid)
-
-
-def server_sandbox(server: ServerProcess) -> str:
-    r = aenv(server, "start", "-d")
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip()
-
-
-def run_in(server: ServerProcess, sid: str, cmd: str) -> str:
-    with httpx.Client(base_url=server.url, headers={"X-API-Key": server.api_key}, timeout=60) as api:
-        return str(run(api, sid, cmd)["stdout"])
+    sid = sandbox
+    blob = os.urandom(200_000)
+    src = tmp_path / "blob.bin"
+    src.write_bytes(blob)
+    assert aenv(server, "upload", sid, str(src), "/tmp/blob.bin").returncode == 0
+    r = subprocess.run([*AENV, "exec", sid, "cat", "/tmp/blob.bin"], capture_output=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout == blob
+    r = subprocess.run([*AENV, "exec", sid, "--", "sh", "-c", r"printf '\303'; sleep 0.3; printf '\251\n'"],
+                       capture_output=True, env=env, timeout=120)
+    assert r.stdout == "é\n".encode()
+    r = subprocess.run([*AENV, "exec", sid, "grep", "-e", "root", "/etc/passwd"], capture_output=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(b"root:")
+    p = subprocess.Popen([*AENV, "exec", sid, "--", "sh", "-c", "sleep 4; touch /tmp/ctrl-c-marker"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(2.0)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(30) == 130
+    time.sleep(4.0)
+    assert run(api, sid, "test -e /tmp/ctrl-c-marker; echo $?")["stdout"] == "1\n", "the command ran on"
