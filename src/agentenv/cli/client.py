@@ -30,18 +30,16 @@ class ApiClient:
         self.url = url.rstrip("/")
         headers = {"User-Agent": f"aenv/{__version__}"}
         if key:
+            if not key.isascii():
+                raise CliError("the API key is not usable: it must be ASCII (e2b_ and 40 hex digits)")
             headers["X-API-Key"] = key
         try:
             host = urlsplit(self.url).hostname or ""
-            if not key or not key.isascii():
-                headers.pop("X-API-Key", None)
-                if key:
-                    raise ValueError("the API key must be ASCII (e2b_ and 40 hex digits)")
             # Never send a local server's traffic through an HTTP(S)_PROXY from the environment.
             self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                       trust_env=host not in ("127.0.0.1", "localhost", "::1"))
         except (ValueError, httpx.InvalidURL) as exc:
-            raise CliError(f"the server address {url!r} or the API key is not usable: {exc}") from None
+            raise CliError(f"the server address {url!r} is not usable: {exc}") from None
 
     def __enter__(self) -> ApiClient:
         return self

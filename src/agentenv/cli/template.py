@@ -7,10 +7,9 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO
+from typing import Annotated, Any
 
 import httpx
 import typer
@@ -160,9 +159,8 @@ def build(
                     tar_gz(context, c.sources[0], data)
                     size = data.tell()
                     data.seek(0)
-                    try:  # streamed from the file, with its length
-                        r = httpx.put(link["url"], content=_chunks(data), timeout=3600, trust_env=False,
-                                      headers={"Content-Length": str(size)})
+                    try:  # httpx streams a file in pieces, with its length
+                        r = httpx.put(link["url"], content=data, timeout=3600, trust_env=False)
                     except httpx.HTTPError as exc:
                         raise CliError(f"upload of COPY {c.sources[0]} failed: {exc}") from None
                 if r.is_error:
@@ -197,8 +195,3 @@ def rm(
     """Remove built templates (sandboxes already started from them keep running)."""
     with client_for(ctx) as client:
         delete_each(client, {n: f"/templates/{n}" for n in names})
-
-
-def _chunks(f: BinaryIO) -> Iterator[bytes]:
-    while chunk := f.read(1 << 20):
-        yield chunk

@@ -54,12 +54,18 @@ class WarmPool:
         return None
 
     async def give_back(self, why: str) -> bool:
-        """Destroy one ready shell (of the fullest template), for a sandbox someone asked for;
-        False when there is none. The pool refills once the host has room again."""
+        """Destroy one ready shell, for a sandbox someone asked for; False when there is none.
+        The pool refills once the host has room again."""
+        if not await self._destroy_one():
+            return False
+        log.warning("warm pool: gave back a ready shell: %s", why)
+        return True
+
+    async def _destroy_one(self) -> bool:
+        """Destroy one ready shell, of the template with the most; False when there is none."""
         fullest = max(self._shells.values(), key=len, default=[])
         if not fullest:
             return False
-        log.warning("warm pool: gave back a ready shell: %s", why)
         await fullest.pop().destroy(self._slots)
         return True
 
@@ -115,11 +121,7 @@ class WarmPool:
         """While the host is below its memory reserve, destroy ready shells one at a time (from
         the fullest template first), looking at the memory again after each. True if any went."""
         given_back = 0
-        while self._must_shrink():
-            fullest = max(self._shells.values(), key=len, default=[])
-            if not fullest:
-                break
-            await fullest.pop().destroy(self._slots)
+        while self._must_shrink() and await self._destroy_one():
             given_back += 1
         if given_back:
             log.warning("warm pool: the host is below its memory reserve; destroyed %d ready shell%s",
