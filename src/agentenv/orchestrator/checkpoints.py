@@ -313,15 +313,13 @@ class Checkpointer:
                      (time.perf_counter() - t3) * 1e3)
             undo.release()
             return machine, str(disk_top)
-        except asyncio.CancelledError:
-            if recorded:  # the server stops: leave the recorded VM as a crash would (see forking)
+        except BaseException as exc:
+            if recorded and isinstance(exc, asyncio.CancelledError):
+                # The server stops: leave the recorded VM as a crash would (start_from_checkpoint).
                 undo.release()
                 await machine.detach()
             else:
                 await undo.unwind()
-            raise
-        except BaseException:
-            await undo.unwind()
             raise
 
 

@@ -34,6 +34,7 @@ from agentenv.errors import (
     VmmError,
 )
 from agentenv.network import Slot, set_egress
+from agentenv.orchestrator import parking
 from agentenv.orchestrator.cleanup import Cleanup
 from agentenv.orchestrator.idempotency import OPTION as IDEMPOTENCY
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
@@ -142,22 +143,20 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
         log.info("started %s from checkpoint %s: slot %.1f ms, restore %.1f ms, guest init %.1f ms", sandbox_id,
                  cp.id, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
         return Started(machine, slot, envd, disk)
-    except asyncio.CancelledError:
-        if not recorded:
+    except BaseException as exc:
+        if recorded and isinstance(exc, asyncio.CancelledError):
+            # The server stops (it cancels the requests still running after its grace period)
+            # once the caller recorded this VM with its slot: the guest may have run on the
+            # sandbox's disk, so the saved state is no longer exact. Leave VM and slot as a
+            # crash here would; the next start's recovery continues the VM (recovery.py).
+            # (Cancelled inside the restore, the restore has left its VM so already.)
+            undo.release()
+            if envd is not None:
+                await envd.aclose()
+            if machine is not None:
+                await machine.detach()
+        else:
             await undo.unwind()
-            raise
-        # The server stops (it cancels the requests still running after its grace period)
-        # once the caller recorded this VM with its slot: the guest may have run on the
-        # sandbox's disk, so the saved state is no longer exact. Leave VM and slot as a crash
-        # here would; the next start's recovery continues the VM (recovery.py).
-        undo.release()
-        if envd is not None:
-            await envd.aclose()
-        if machine is not None:
-            await machine.detach()
-        raise
-    except BaseException:
-        await undo.unwind()
         raise
 
 
@@ -206,9 +205,7 @@ async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env
 async def _discard(orch: Orchestrator, started: Started, run_dir: Path, sandbox_id: str) -> None:
     undo = Cleanup(f"unrecorded sandbox {sandbox_id}")
     undo.add("run dir", lambda: remove_tree(run_dir))
-    undo.add("slot", lambda: orch.slots.release(started.slot))
-    undo.add("machine", started.machine.kill)
-    undo.add("envd", started.envd.aclose)
+    undo.add("vm", lambda: parking.free(orch, started.machine, started.envd, started.slot))
     undo.add("record", lambda: orch.store.delete(sandbox_id))  # if the put landed after all
     await undo.unwind()
 
