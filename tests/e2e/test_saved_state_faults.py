@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
@@ -67,6 +68,13 @@ def busy_sandbox(api: httpx.Client, **options: object) -> str:
     return sid
 
 
+def sandbox_top(node: ServerProcess, sid: str) -> str:
+    """The overlay the sandbox's record says its VM writes to."""
+    with sqlite3.connect(node.data_dir / "state.sqlite") as db:
+        (top,) = db.execute("SELECT disk_path FROM sandboxes WHERE id = ?", (sid,)).fetchone()
+    return top
+
+
 def repository_is_clean(node: ServerProcess) -> None:
     repo = node.data_dir / "repository"
     assert list((repo / "staging").iterdir()) == [], "unpublished files left in staging"
@@ -75,6 +83,7 @@ def repository_is_clean(node: ServerProcess) -> None:
 @pytest.mark.parametrize("point, route, body", [
     ("pause_before_publish", "pause", {}),
     ("pause_after_publish", "pause", {}),
+    ("snapshot_before_switch", "snapshots", {"name": "crashed"}),  # a new top made, not yet used
     ("snapshot_after_disk", "snapshots", {"name": "crashed"}),
     ("snapshot_before_publish", "snapshots", {"name": "crashed"}),
     ("fork_before_publish", "fork", {"count": 2}),
@@ -93,6 +102,8 @@ def test_server_killed_mid_operation_keeps_the_previous_state(node: ServerProces
         # The adopted VM writes to the top the snapshot switched to (not the one it removed):
         # the start's gc finds every overlay and keeps only the layers in use.
         assert "gc keeps every disk layer" not in node.log.read_bytes()[log_at:].decode(errors="replace")
+        top = Path(sandbox_top(node, sid))
+        assert sorted(p.name for p in top.parent.glob("disk*.qcow2")) == [top.name], "an unused overlay is left"
         c = counter(api, sid)
         time.sleep(0.3)
         assert counter(api, sid) > c, "the sandbox must run on after the interrupted operation"
@@ -340,11 +351,7 @@ def test_disk_chain_is_bounded_by_streaming(node: ServerProcess) -> None:
             run(api, sid, f"echo {i} > /home/user/gen{i}")
             snaps.append(api.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"])
         assert api.post(f"/sandboxes/{sid}/pause").status_code == 204  # waits for the stream
-        import sqlite3
-
-        with sqlite3.connect(node.data_dir / "state.sqlite") as db:  # the record holds the current top
-            (top,) = db.execute("SELECT disk_path FROM sandboxes WHERE id = ?", (sid,)).fetchone()
-        top = Path(top)
+        top = Path(sandbox_top(node, sid))
         layers = node.data_dir / "repository" / "layers"
         depth = sum(1 for p in backing_chain(top) if p.parent == layers)
         assert depth <= 3, f"disk chain not bounded: {depth} repository layers under {top}"

@@ -98,6 +98,7 @@ class Checkpointer:
                     new_top = Path(rec.run_dir) / f"disk-{sealed.name[5:21]}.qcow2"
                     await create_overlay_over(new_top, sealed_path, rec.disk_mb)
                     undo.add("overlay", lambda: asyncio.to_thread(new_top.unlink, True))
+                    await self.crash_point(f"{kind}_before_switch")
                     await machine.switch_disk(new_top)
                     undo.release()  # the VM now writes to new_top: the sealed layer is in use
                     # In memory only: the sandbox's record holds the current top (recovery

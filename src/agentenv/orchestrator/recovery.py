@@ -34,7 +34,7 @@ from agentenv.envd_client import EnvdClient
 from agentenv.errors import VmmError
 from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.sandbox import LiveSandbox
-from agentenv.storage import remove_tree
+from agentenv.storage import backing_chain, remove_tree
 from agentenv.vmm import Machine, find_qemu_pids, kill_pid
 from agentenv.vmm.spec import spec_from_json
 
@@ -138,6 +138,7 @@ async def _settle(orch: Orchestrator, live: LiveSandbox) -> None:
     # The machine too: it was adopted with the record's top, which a snapshot cut short after
     # its seal has left behind (removed); the gc's pins and the next checkpoint read the spec.
     live.machine.spec = replace(live.machine.spec, disk=top)
+    await asyncio.to_thread(_remove_unused_tops, Path(rec.run_dir), top)
     changes: dict[str, object] = {"state": State.RUNNING, "disk_path": str(top)}
     if rec.state == State.RESUMING and rec.paused is not None:
         changes.update(origin=rec.paused, paused=None)
@@ -149,6 +150,17 @@ async def _settle(orch: Orchestrator, live: LiveSandbox) -> None:
             await live.reidentify(live.envd, orch.settings.restore_timeout_s)
         except Exception:  # noqa: BLE001 — best effort; the sandbox runs either way
             log.warning("sandbox %s: could not refresh its clock after the interrupted resume", rec.id)
+
+
+def _remove_unused_tops(run_dir: Path, top: Path) -> None:
+    """A checkpoint cut short leaves overlays in the run dir that the VM does not write to:
+    the new top it created before switching the disk to it, or the sealed top it had not yet
+    unlinked (its repository link stays, for the gc to judge)."""
+    keep = {p.resolve() for p in (top, *backing_chain(top))}
+    for path in run_dir.glob("disk*.qcow2"):
+        if path.resolve() not in keep:
+            log.info("removing overlay %s left by an interrupted checkpoint", path.name)
+            path.unlink(missing_ok=True)
 
 
 async def _kill_leftover(run_dir: Path) -> None:
