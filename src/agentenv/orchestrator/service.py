@@ -27,6 +27,7 @@ from agentenv.errors import (
     SandboxNotFound,
     SandboxStateError,
     SnapshotNotFound,
+    SnapshotUnusable,
     StorageError,
 )
 from agentenv.images.registry import RegistrySettings
@@ -698,7 +699,18 @@ class Orchestrator:
                 if (sandbox_id is None or c.source_sandbox == sandbox_id) and (name is None or c.name == name)]
 
     async def delete_snapshot(self, id_or_name: str) -> None:
-        cp = self.repo.get(id_or_name)
+        try:
+            cp = self.repo.get(id_or_name)
+        except SnapshotUnusable:
+            # An unreadable manifest (cut by a host crash, or damaged) stops every gc: deleting
+            # it by id must work, unless a paused sandbox of this node still holds it.
+            if any(live.record.paused is not None and live.record.paused.id == id_or_name
+                   for live in self._live.values()):
+                raise
+            log.warning("deleting unreadable manifest %s", id_or_name)
+            await self.drop_checkpoint(id_or_name)
+            await self.gc()
+            return
         if cp.kind != "snapshot":
             raise SnapshotNotFound(id_or_name)
         await self.drop_checkpoint(cp.id)

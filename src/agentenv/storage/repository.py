@@ -246,7 +246,8 @@ class SnapshotRepository:
             try:
                 return Checkpoint.from_json(json.loads(p.read_text()))
             except (OSError, ValueError, TypeError, KeyError) as exc:
-                raise SnapshotUnusable(f"snapshot {id_or_name}: unreadable manifest ({exc})") from exc
+                raise SnapshotUnusable(f"snapshot {id_or_name}: unreadable manifest ({exc}); deleting the "
+                                       f"snapshot by its id removes it") from exc
         cp = self._named().get(id_or_name)
         if cp is None:
             raise SnapshotNotFound(id_or_name)
@@ -321,7 +322,7 @@ class SnapshotRepository:
         cps = list(self._index_now().values())
         if strict and (bad := self._unreadable):
             raise StorageError(f"manifests {', '.join(bad)} in {self.manifests} are unreadable; nothing is "
-                               f"collected until they are repaired or removed")
+                               f"collected until they are repaired or deleted (by snapshot id)")
         return sorted((cp for cp in cps if kind is None or cp.kind == kind), key=lambda c: c.created_at,
                       reverse=True)
 
