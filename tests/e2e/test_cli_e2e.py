@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -214,3 +215,33 @@ def test_cli_exec_passes_bytes_exactly_keeps_the_commands_options_and_ctrl_c_end
     assert p.wait(30) == 130
     time.sleep(4.0)
     assert run(api, sid, "test -e /tmp/ctrl-c-marker; echo $?")["stdout"] == "1\n", "the command ran on"
+
+
+def test_cli_exec_with_stdin_feeds_the_command_and_ctrl_c_ends_it(
+        server: ServerProcess, api: httpx.Client, sandbox: str) -> None:
+    """`aenv exec -i` sends the local stdin to the command until EOF (binary, larger than one
+    chunk); without -i the command's stdin is empty, so a reader does not wait for input."""
+    env = {**os.environ, "AENV_URL": server.url, "AENV_API_KEY": server.api_key}
+    sid = sandbox
+    blob = os.urandom(300_000)
+    r = subprocess.run([*AENV, "exec", "-i", sid, "--", "sh", "-c", "cat > /tmp/in.bin; echo got; exit 3"],
+                       input=blob, capture_output=True, env=env, timeout=120)
+    assert (r.returncode, r.stdout) == (3, b"got\n"), r.stderr
+    digest = run(api, sid, "sha256sum < /tmp/in.bin")["stdout"].split()[0]
+    assert digest == hashlib.sha256(blob).hexdigest()
+    r = subprocess.run([*AENV, "exec", "-i", sid, "tr a-z A-Z"], input=b"shout\n", capture_output=True, env=env,
+                       timeout=120)
+    assert (r.returncode, r.stdout) == (0, b"SHOUT\n"), r.stderr
+    r = subprocess.run([*AENV, "exec", sid, "--", "wc", "-c"], input=b"ignored", capture_output=True, env=env,
+                       timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (0, b"0")
+    # stdin left open (nothing written, no EOF): Ctrl-C ends aenv and the command in the sandbox
+    p = subprocess.Popen([*AENV, "exec", "-i", sid, "--", "sh", "-c", "cat; touch /tmp/ctrl-c-i-marker"],
+                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(3.0)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(30) == 130, p.stderr.read()
+    p.stdin.close()
+    time.sleep(1.0)
+    assert run(api, sid, "pgrep -x cat; test -e /tmp/ctrl-c-i-marker; echo $?")["stdout"] == "1\n", \
+        "the command ran on after aenv went"

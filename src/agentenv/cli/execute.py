@@ -2,7 +2,10 @@
 
 The server answers ``stream=true`` with NDJSON events (start, stdout/stderr chunks, end); they
 are copied to the local stdout/stderr at once, and the CLI exits with the command's exit code,
-so `aenv exec` composes in scripts like a local command.
+so `aenv exec` composes in scripts like a local command. With ``-i`` the local stdin is the
+command's (``tar c . | aenv exec -i ID -- tar x -C /work``): that run goes over envd's
+Connect protocol through the server's sandbox proxy, as `aenv connect` does, since the
+server's exec route carries no input.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typer.core import TyperCommand, TyperOption
 from agentenv.cli.client import ApiClient, client_for
 from agentenv.cli.context import CliError
 from agentenv.cli.params import parse_pairs
+from agentenv.cli.terminal import run_piped
 
 # `aenv exec ID ls -la` passes -la on to the command; only --help (not -h) is ours.
 CONTEXT = {"ignore_unknown_options": True, "help_option_names": ["--help"]}
@@ -119,10 +123,17 @@ def exec_command(
     user: Annotated[str | None, typer.Option("--user", "-u", help="User to run as (default: user).")] = None,
     timeout: Annotated[float, typer.Option("--timeout", "-t", help="Seconds before the command is "
                                                                    "killed; 0 means no limit.")] = 0,
+    stdin: Annotated[bool, typer.Option("--stdin", "-i", help="Send this terminal's stdin to the command "
+                                                              "(until EOF); without it the command's "
+                                                              "stdin is empty.")] = False,
 ) -> None:
     """Run a command in a sandbox: `aenv exec ID -- CMD...`; exits with the command's code."""
     envs = parse_pairs(env, "--env")
     command: str | list[str] = cmd[0] if len(cmd) == 1 else list(cmd)
     with client_for(ctx) as client:
-        code = stream_exec(client, sandbox_id, command, envs=envs, cwd=cwd, user=user, timeout=timeout)
+        if stdin:  # straight to the sandbox's envd (through the server's proxy), which takes input
+            sandbox = client.call("GET", f"/sandboxes/{sandbox_id}")
+            code = run_piped(client.url, sandbox, command, envs=envs, cwd=cwd, user=user, timeout=timeout)
+        else:
+            code = stream_exec(client, sandbox_id, command, envs=envs, cwd=cwd, user=user, timeout=timeout)
     raise typer.Exit(code)

@@ -61,6 +61,20 @@ def run_shell(server_url: str, sandbox: dict[str, Any], refresh: Callable[[], ob
         raise CliError(f"shell in sandbox {sandbox['sandboxID']}: {exc.message or exc.code}") from None
 
 
+def run_piped(server_url: str, sandbox: dict[str, Any], cmd: str | list[str], *,
+              envs: dict[str, str] | None = None, cwd: str | None = None, user: str | None = None,
+              timeout: float = 0) -> int:
+    """Run ``cmd`` (a ``bash -l -c`` string or an argv list) with the local stdin as its
+    stdin (`aenv exec -i`); returns its exit code."""
+    session = _pipe_session(envd_for(server_url, sandbox), cmd, envs=envs, cwd=cwd, user=user, timeout=timeout)
+    try:
+        return asyncio.run(_until_signalled(session))
+    except EnvdError as exc:
+        if exc.code == "deadline_exceeded":
+            raise CliError(f"the command ran longer than its timeout ({timeout:g} s) and was killed") from None
+        raise CliError(f"command in sandbox {sandbox['sandboxID']}: {exc.message or exc.code}") from None
+
+
 def _stdin_fd() -> int | None:
     try:
         return sys.stdin.fileno()
@@ -111,15 +125,17 @@ async def _queue_chunks(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[byt
 
 def _read_into(queue: asyncio.Queue[bytes | None], loop: asyncio.AbstractEventLoop) -> None:
     """Thread body: copy stdin into ``queue`` until EOF (then None). A daemon thread, as a
-    blocked read can't be interrupted; it works for pipes and regular files alike."""
-    reader = sys.stdin.buffer
-    read = getattr(reader, "read1", reader.read)
+    blocked read can't be interrupted; it works for pipes and regular files alike. It reads the
+    file descriptor, not ``sys.stdin.buffer``: a daemon thread blocked holding that buffer's
+    lock makes the interpreter abort at exit (Ctrl-C while the input is still open)."""
+    fd = _stdin_fd()
     try:
-        while chunk := read(65536):
-            loop.call_soon_threadsafe(queue.put_nowait, bytes(chunk))
-    except (OSError, ValueError):
-        pass
-    loop.call_soon_threadsafe(queue.put_nowait, None)
+        while fd is not None and (chunk := os.read(fd, 65536)):
+            loop.call_soon_threadsafe(queue.put_nowait, chunk)
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: the loop closed (aenv is going)
+        return
+    with suppress(RuntimeError):
+        loop.call_soon_threadsafe(queue.put_nowait, None)
 
 
 def _write(stream: Any, data: bytes) -> None:
@@ -127,25 +143,33 @@ def _write(stream: Any, data: bytes) -> None:
     stream.flush()
 
 
-async def _pipe_session(envd: EnvdClient) -> int:
-    """``bash -l`` reading stdin as its script; stdout/stderr relayed as they are."""
+async def _pipe_session(envd: EnvdClient, cmd: str | list[str] | None = None, *,
+                        envs: dict[str, str] | None = None, cwd: str | None = None,
+                        user: str | None = None, timeout: float | None = None) -> int:
+    """``cmd`` (default: ``bash -l``, which reads stdin as its script) with the local stdin
+    streamed to it until EOF, then closed; stdout/stderr relayed as they are. If aenv goes
+    before the process ends, the process is killed, as a local pipeline's would be."""
     async with envd:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         feeder: asyncio.Task[None] | None = None
+        pid = 0
 
         async def feed(pid: int) -> None:
             try:
                 await envd.stream_input(pid, _queue_chunks(queue))
                 await envd.close_stdin(pid)
             except EnvdError:
-                pass  # the shell ended before reading all of stdin (e.g. `exit` in the middle)
+                pass  # the process ended before reading all of stdin (e.g. `exit` in the middle)
 
-        events = envd.stream(["/bin/bash", "-l"], stdin=True, envs=_term_env(dumb=True))
+        if cmd is None:
+            cmd, envs = ["/bin/bash", "-l"], {**_term_env(dumb=True), **(envs or {})}
+        events = envd.stream(cmd, stdin=True, envs=envs, cwd=cwd, user=user, timeout=timeout or None)
         try:
             async with aclosing(events):
                 async for ev in events:
                     if ev.type == "start":
+                        pid = ev.pid
                         threading.Thread(target=_read_into, args=(queue, loop), daemon=True).start()
                         feeder = asyncio.create_task(feed(ev.pid))
                     elif ev.type in ("stdout", "pty"):
@@ -153,13 +177,17 @@ async def _pipe_session(envd: EnvdClient) -> int:
                     elif ev.type == "stderr":
                         _write(sys.stderr.buffer, ev.data)
                     elif ev.type == "end":
+                        pid = 0
                         return _exit_code(ev.exit_code, ev.exited, ev.status)
         finally:
             if feeder is not None:
                 feeder.cancel()
                 with suppress(asyncio.CancelledError, EnvdError):
                     await feeder
-        raise EnvdError("internal", "the shell's output stream ended without an exit status")
+            if pid:
+                with suppress(EnvdError, asyncio.TimeoutError):
+                    await asyncio.wait_for(envd.send_signal(pid, "SIGKILL"), 10)
+        raise EnvdError("internal", "the process's output stream ended without an exit status")
 
 
 def _term_env(dumb: bool = False) -> dict[str, str]:
