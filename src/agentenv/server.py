@@ -73,9 +73,10 @@ def serve(settings: Settings) -> None:
     app = build_app(settings)
     tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)} if settings.tls_cert else {}
     # The event loop the server is tested with: uvicorn would take uvloop whenever it is
-    # installed (`uvicorn[standard]` brings it), and measured no faster here.
+    # installed (`uvicorn[standard]` brings it), and measured no faster here. No Server header
+    # of its own: a proxied response carries the sandbox's (proxy/headers.py).
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", loop="asyncio",
-                timeout_keep_alive=650, timeout_graceful_shutdown=10, **tls)
+                timeout_keep_alive=650, timeout_graceful_shutdown=10, server_header=False, **tls)
 
 
 

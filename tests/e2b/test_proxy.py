@@ -209,7 +209,8 @@ def test_the_proxy_keeps_the_platforms_secrets_and_answers_what_the_guest_cannot
     """What a guest's server sees and can do through the proxy: not the node's API key, the
     traffic token or headers its client marked hop-by-hop; a 304 with a Content-Length does not
     break the client's connection; a WebSocket upgrade answered with a redirect to the host's
-    loopback is refused, not followed by the server; a request target of ``*`` is a 400."""
+    loopback is refused, not followed by the server; a request target of ``*`` is a 400; the
+    response's Date and Server headers are not doubled."""
     host_hits: list[bytes] = []
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -235,6 +236,9 @@ def test_the_proxy_keeps_the_platforms_secrets_and_answers_what_the_guest_cannot
                                            "X-Kept": "k", "Connection": "keep-alive, X-Private"})
             seen = r.json()
             assert seen["x-kept"] == "k"
+            # one Date (the proxy's server adds its own), and the Server the guest's app named
+            assert len(r.headers.get_list("date")) == 1, r.headers
+            assert [v.split("/")[0] for v in r.headers.get_list("server")] == ["BaseHTTP"], r.headers
             assert not {"x-api-key", "e2b-traffic-access-token", "x-private"} & set(seen), seen
             first = c.get("/304", headers=route)
             second = c.get("/headers", headers=route)  # on the same kept-alive connection

@@ -10,6 +10,10 @@ PLATFORM_HEADERS = frozenset({b"x-api-key", b"e2b-traffic-access-token", b"e2b-s
 # Responses that never have a body: a Content-Length on them describes another response.
 NO_BODY = frozenset({204, 304})
 NO_BODY_HEADERS = frozenset({b"content-length"})
+# Response headers the ASGI server adds to every response itself (uvicorn: Date; its Server
+# header is turned off in server.py, so the guest's own Server goes through): passed on, the
+# client would get two.
+SERVER_SUPPLIED = frozenset({b"date"})
 
 
 def forwardable(raw_headers: list[tuple[bytes, bytes]], drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:

@@ -21,7 +21,12 @@ from agentenv.envd_client import EnvdError
 from agentenv.errors import NotFound, SandboxStateError
 from agentenv.orchestrator import GUEST_UP, Orchestrator, State
 from agentenv.proxy import websocket
-from agentenv.proxy.headers import NO_BODY, NO_BODY_HEADERS, forwardable
+from agentenv.proxy.headers import (
+    NO_BODY,
+    NO_BODY_HEADERS,
+    SERVER_SUPPLIED,
+    forwardable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +308,8 @@ class SandboxProxy:
             if resp is None:
                 raise port_closed(sandbox_id, port)
             try:
-                out = forwardable(resp.headers.raw, NO_BODY_HEADERS if resp.status_code in NO_BODY else frozenset())
+                drop = SERVER_SUPPLIED | NO_BODY_HEADERS if resp.status_code in NO_BODY else SERVER_SUPPLIED
+                out = forwardable(resp.headers.raw, drop)
                 await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
                 started = True
                 async for chunk in resp.aiter_raw():
