@@ -13,7 +13,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.framework.server import ServerProcess
 
-# A WebSocket echo server on the guest's python3 standard library (no packages in the guest).
+# A WebSocket echo server on the guest's python3 standard library (no packages in the guest);
+# how each connection ended (close code and reason, or dropped) goes to /tmp/ws-ends.
 ECHO_SERVER = r'''
 import base64, hashlib, socket, struct, threading
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -42,6 +43,7 @@ def handle(c):
             mask = read(f, 4)
             data = bytes(x ^ mask[i % 4] for i, x in enumerate(read(f, n)))
             if op == 8:
+                ended(str(struct.unpack(">H", data[:2])[0]) + " " + data[2:].decode() if data else "no code")
                 c.sendall(b"\x88\x02" + (data[:2] or b"\x03\xe8"))
                 return
             out = b"echo:" + data
@@ -49,9 +51,12 @@ def handle(c):
             size = bytes([n]) if n < 126 else (b"\x7e" + struct.pack(">H", n) if n < 65536 else b"\x7f" + struct.pack(">Q", n))
             c.sendall(bytes([0x80 | op]) + size + out)
     except (EOFError, OSError):
-        pass
+        ended("dropped")
     finally:
         c.close()
+def ended(how):
+    with open("/tmp/ws-ends", "a") as log:
+        log.write(how + "\n")
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", 8765))
@@ -144,5 +149,49 @@ def test_websocket_to_a_server_on_the_guests_loopback(e2b_server: ServerProcess,
             return "never connected"
 
         assert asyncio.run(scenario()) == "echo:via loopback"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_the_sandbox_sees_how_the_client_closed(e2b_server: ServerProcess, api: httpx.Client) -> None:
+    """The client's close code and reason reach the sandbox's server; a close frame without a
+    code stays one, and so does a client that vanishes (no close frame), not a normal close
+    (1000) that never happened."""
+    sid = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+    try:
+        assert api.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/ws.py"},
+                       content=ECHO_SERVER.encode()).status_code == 204
+        assert api.post(f"/sandboxes/{sid}/exec", json={"cmd": "nohup python3 /tmp/ws.py >/dev/null 2>&1 &"}).status_code == 200
+        url = e2b_server.url.replace("http://", "ws://") + "/"
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8765"}
+
+        async def scenario() -> None:
+            for how in ("code", "no code", "vanish"):
+                for _ in range(100):
+                    try:
+                        ws = await connect(url, additional_headers=headers)
+                        break
+                    except InvalidStatus:
+                        await asyncio.sleep(0.2)
+                await ws.send("hi")
+                assert await ws.recv() == "echo:hi"
+                if how == "code":
+                    await ws.close(4001, "done here")
+                elif how == "no code":
+                    await ws.close(None)  # type: ignore[arg-type]
+                else:
+                    ws.transport.abort()
+                await asyncio.sleep(0.5)
+
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            ends = api.get(f"/sandboxes/{sid}/files", params={"path": "/tmp/ws-ends"})
+            if ends.status_code == 200 and ends.text.count("\n") >= 3:
+                break
+            time.sleep(0.3)
+        # uvicorn reports a lost connection as 1005, as a close frame without a code: the sandbox
+        # gets that close, not a normal close (1000) nobody sent
+        assert ends.text.splitlines() == ["4001 done here", "no code", "no code"], ends.text
     finally:
         api.delete(f"/sandboxes/{sid}")

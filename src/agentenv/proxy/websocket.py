@@ -7,7 +7,12 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.exceptions import (
+    ConnectionClosed,
+    InvalidHandshake,
+    InvalidStatus,
+    ProtocolError,
+)
 
 from agentenv.proxy.headers import forwardable
 
@@ -78,7 +83,7 @@ async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Sen
             while True:
                 msg = await receive()
                 if msg["type"] == "websocket.disconnect":
-                    await up.close(msg.get("code", 1000))
+                    await _close_like(up, msg.get("code", 1005), msg.get("reason") or "")
                     return
                 if msg.get("bytes") is not None:
                     await up.send(msg["bytes"])
@@ -111,3 +116,16 @@ async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Sen
                                              "reason": "The sandbox was not found"}), CLOSE_TIMEOUT_S)
             except (TimeoutError, OSError):
                 pass
+
+
+async def _close_like(up: ClientConnection, code: int, reason: str) -> None:
+    """End the sandbox's side as the client ended the proxy's: its close code and reason, a close
+    frame without a code (1005; uvicorn reports a lost connection so too), or a dropped
+    connection (1006). Codes no endpoint may send (RFC 6455 §7.4) become a plain close."""
+    if code == 1006:
+        up.transport.abort()
+        return
+    try:
+        await up.close(None if code == 1005 else code, reason if code != 1005 else "")  # type: ignore[arg-type]
+    except ProtocolError:
+        await up.close()
