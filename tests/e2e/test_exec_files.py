@@ -48,6 +48,21 @@ def test_exec_streams_output_as_it_happens(api: httpx.Client, sandbox: str) -> N
     assert events[-1]["type"] == "end" and events[-1]["exitCode"] == 0
 
 
+def test_a_silent_streamed_command_keeps_its_stream_alive(api: httpx.Client, sandbox: str) -> None:
+    """A command quiet for longer than the client's read timeout (20 s here, 60 s in aenv exec)
+    still reaches its end: the server sends keepalive lines meanwhile, so a client can set a
+    read timeout that tells a stuck server from a quiet command."""
+    events = []
+    with api.stream("POST", f"/sandboxes/{sandbox}/exec", json={"cmd": "sleep 22; echo done", "stream": True},
+                    timeout=httpx.Timeout(30, read=20)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            events.append(json.loads(line))
+    assert [e["type"] for e in events if e["type"] != "keepalive"] == ["start", "stdout", "end"], events
+    assert any(e["type"] == "keepalive" for e in events)
+    assert events[-1]["exitCode"] == 0
+
+
 def test_files_roundtrip_large_and_missing(api: httpx.Client, sandbox: str) -> None:
     data = os.urandom(20 * 1024 * 1024)
     r = api.put(f"/sandboxes/{sandbox}/files", params={"path": "/home/user/dir/big.bin"}, content=data)

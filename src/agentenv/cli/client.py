@@ -21,8 +21,12 @@ from agentenv.cli import credentials
 from agentenv.cli.context import CliError, globals_of
 
 DEFAULT_TIMEOUT = 30.0
-# Streams (exec output, file transfers) may be silent for a long time: no read timeout.
-STREAM_TIMEOUT = httpx.Timeout(DEFAULT_TIMEOUT, read=None, write=None)
+# File transfers: a server that takes or gives no byte for five minutes is stuck (a slow guest
+# disk under TCG can hold a write back for many seconds, not minutes).
+STREAM_TIMEOUT = httpx.Timeout(DEFAULT_TIMEOUT, read=300.0, write=300.0)
+# Command output: the server sends a keepalive line after EXEC_KEEPALIVE_S of silence
+# (api/routes/data.py), so a stream silent for four of them is a stuck server or network.
+EXEC_TIMEOUT = httpx.Timeout(DEFAULT_TIMEOUT, read=60.0, write=60.0)
 
 
 class ApiClient:

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand, TyperOption
 
-from agentenv.cli.client import ApiClient, client_for
+from agentenv.cli.client import EXEC_TIMEOUT, ApiClient, client_for
 from agentenv.cli.context import CliError
 from agentenv.cli.params import parse_pairs
 from agentenv.cli.terminal import run_piped
@@ -61,7 +61,7 @@ def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, env
         body["cwd"] = cwd
     if user:
         body["user"] = user
-    with client.stream("POST", f"/sandboxes/{sandbox_id}/exec", json=body) as resp:
+    with client.stream("POST", f"/sandboxes/{sandbox_id}/exec", json=body, timeout=EXEC_TIMEOUT) as resp:
         for line in resp.iter_lines():
             if not line.strip():
                 continue
@@ -77,6 +77,7 @@ def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, env
                 _write(sys.stderr, event.get("data", ""))
             elif kind == "end":
                 return _exit_code(event)
+            # ("keepalive" lines only keep the read timeout from firing on a silent command)
             elif kind == "error":  # the stream failed after its start (agent lost, deadline)
                 raise CliError(str(event.get("message") or "the command failed"))
     raise CliError("the server closed the output stream before the command ended")

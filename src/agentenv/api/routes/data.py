@@ -5,7 +5,9 @@ Command output and file contents stream in both directions; nothing is buffered 
 
 from __future__ import annotations
 
+import asyncio
 import codecs
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -14,13 +16,41 @@ from fastapi.responses import StreamingResponse
 
 from agentenv.api.models import ExecRequest, ExecResult
 from agentenv.api.routes import orch_of
-from agentenv.envd_client import EnvdError
+from agentenv.envd_client import EnvdError, ProcessEvent
 
 router = APIRouter()
 
 
+# An exec stream silent this long gets a ``{"type": "keepalive"}`` line: a client can then tell a
+# quiet command from a stuck server or network with a read timeout (aenv exec: 60 s).
+EXEC_KEEPALIVE_S = 15.0
+
+
 def _timeout(t: float | None) -> float | None:
     return None if not t else t
+
+
+async def _with_keepalives(events: AsyncIterator[ProcessEvent], every: float) -> AsyncIterator[ProcessEvent | None]:
+    """``events``, with a None after every ``every`` seconds without one. The pending read
+    is waited on, not cancelled, at each tick (cancelling it would end the stream)."""
+    pending = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(anext(events))
+    finally:
+        if not pending.done():
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
 
 
 @router.post("/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
@@ -38,7 +68,10 @@ async def exec_command(sandbox_id: str, body: ExecRequest, request: Request) -> 
                         for k in ("stdout", "stderr", "pty")}
             pid, ended = None, False
             try:
-                async for ev in events:
+                async for ev in _with_keepalives(events, EXEC_KEEPALIVE_S):
+                    if ev is None:
+                        yield b'{"type": "keepalive"}\n'
+                        continue
                     d: dict[str, object] = {"type": ev.type}
                     if ev.type == "start":
                         d["pid"] = pid = ev.pid
