@@ -170,6 +170,34 @@ def test_server_killed_mid_resume_loses_nothing(node: ServerProcess, point: str,
         node.env["AENV_PAUSE_LINGER_S"] = "0"  # the other tests here restart with the default of the test nodes
 
 
+def test_a_resume_whose_vm_is_lost_with_the_server_keeps_the_sandboxs_files(node: ServerProcess) -> None:
+    """A host crash while a resume's guest runs on the sandbox's own disk (server and QEMU
+    gone): the saved memory no longer matches that disk, so the sandbox comes back paused with
+    its files and boots its disk on resume (processes gone, files there), not its old memory
+    over a disk that moved on."""
+    restart(node, faults="start_after_restore")
+    with node.client() as api:
+        sid = busy_sandbox(api)
+        boot_id = run(api, sid, "sync; cat /proc/sys/kernel/random/boot_id")["stdout"]
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        interrupt(node, api, f"/sandboxes/{sid}/resume", {"timeout": 600}, "start_after_restore")
+    vm = host.qemu_pids(sid)
+    assert vm
+    node.stop(signal.SIGKILL)
+    for pid in vm:
+        os.kill(pid, signal.SIGKILL)
+    assert host.qemu_gone(sid)
+    restart(node)
+    with node.client() as api:
+        assert state(api, sid) == "paused", api.get(f"/sandboxes/{sid}").json()
+        assert api.post(f"/sandboxes/{sid}/resume", json={"timeout": 600}).status_code == 201
+        assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\n"
+        assert run(api, sid, "cat /proc/sys/kernel/random/boot_id")["stdout"] != boot_id, "its disk is booted"
+        assert run(api, sid, "ps -eo args | grep -c '[w]hile true'")["stdout"] == "0\n", "the counter ran on"
+        repository_is_clean(node)
+        api.delete(f"/sandboxes/{sid}")
+
+
 def test_snapshot_published_before_a_crash_is_complete_and_usable(node: ServerProcess) -> None:
     restart(node, faults="snapshot_after_publish")
     with node.client() as api:

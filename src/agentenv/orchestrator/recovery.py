@@ -12,8 +12,10 @@ checkpoint or none; recovery settles the sandbox on the state it can prove:
     pausing / snapshotting / forking   QEMU alive → continued, ``running`` (disk top read back
                                        from QEMU); dead → ``error``
     resuming                           QEMU alive and recorded (a parked VM being woken) →
-                                       ``running``; otherwise (none, or a restore cut short
-                                       before its slot was recorded) → back to ``paused``
+                                       ``running``; recorded, QEMU gone (a host crash) →
+                                       ``paused`` with its disk only (its guest may have run
+                                       on it); not recorded (a restore cut short before its
+                                       guest ran) → back to ``paused``, memory and all
     paused                             a QEMU still left (killed between the two steps, or
                                        parked: orchestrator/parking.py) is killed
 
@@ -81,12 +83,18 @@ async def recover(orch: Orchestrator) -> None:
             live.machine = await Machine.adopt(spec)
         except (OSError, ValueError, VmmError) as exc:
             if rec.state == State.RESUMING and rec.paused is not None:
+                # Its VM was recorded, so it may have run on the sandbox's own disk before it
+                # was lost (a host crash): the saved memory no longer matches that disk. Its
+                # files are kept and its memory dropped: a resume boots its disk, as after a
+                # power cut (orchestrator/pausing.py, ``memory: false``).
                 if live.slot is not None:
                     await orch.slots.release(live.slot)
                     live.slot = None
-                live.record = rec.with_(state=State.PAUSED, slot_index=None)
+                live.record = rec.with_(state=State.PAUSED, slot_index=None,
+                                        paused=rec.paused.with_(memory=(), device=None))
                 await orch.store.put(live.record)
-                log.warning("sandbox %s: resume interrupted before its VM ran; it is paused", rec.id)
+                log.warning("sandbox %s: its VM was lost while it was being resumed; it is paused with its "
+                            "files, without its memory (a resume boots its disk)", rec.id)
                 continue
             why = "its machine record is unreadable" if isinstance(exc, ValueError) else "QEMU was gone"
             await orch._fail(live, f"{why} when the server restarted ({exc})")
