@@ -213,3 +213,16 @@ def test_an_unreadable_manifest_deleted_by_this_node_no_longer_stops_the_gc(tmp_
         repo.gc()
     repo.delete("bad")  # its sandbox is killed
     assert repo.gc() == []
+
+
+def test_only_a_manifest_whose_content_does_not_parse_counts_as_damaged(tmp_path: Path) -> None:
+    """What DELETE /snapshots/{id} may remove without reading it: a manifest cut short or not
+    JSON, not one that merely could not be read this time, nor a good one."""
+    repo = SnapshotRepository(tmp_path / "repo")
+    repo.put(_checkpoint("good", "snapshot"))
+    (repo.manifests / "cut.json").write_text('{"id": "cut", "ki')
+    (repo.manifests / "binary.json").write_bytes(b"\xff\xfe\x00")
+    (repo.manifests / "alien.json").write_text("[1, 2]")
+    (repo.manifests / "unreadable.json").mkdir()  # a read that fails (EISDIR here; EIO, EMFILE elsewhere)
+    assert [repo.damaged(i) for i in ("good", "cut", "binary", "alien", "missing", "unreadable", "../x")] == \
+        [False, True, True, True, False, False, False]

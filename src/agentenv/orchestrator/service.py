@@ -702,11 +702,18 @@ class Orchestrator:
         try:
             cp = self.repo.get(id_or_name)
         except SnapshotUnusable:
-            # An unreadable manifest (cut by a host crash, or damaged) stops every gc: deleting
-            # it by id must work, unless a paused sandbox of this node still holds it.
-            if any(live.record.paused is not None and live.record.paused.id == id_or_name
-                   for live in self._live.values()):
-                raise
+            # A manifest that does not parse (cut by a host crash, or damaged) stops every gc:
+            # deleting it by id must work, unless something of this node still holds it.
+            if not await asyncio.to_thread(self.repo.damaged, id_or_name):
+                raise  # a read that failed for a passing reason: nothing is deleted
+            if holder := next((sid for sid, live in self._live.items()
+                               if live.record.paused is not None and live.record.paused.id == id_or_name), None):
+                raise SnapshotUnusable(f"snapshot {id_or_name}: its manifest is unreadable and it is the saved "
+                                       f"state of paused sandbox {holder}; kill that sandbox to remove both") from None
+            built = await asyncio.to_thread(self.builds.templates)
+            if template := next((t.template_id for t in built if t.checkpoint == id_or_name), None):
+                raise SnapshotUnusable(f"snapshot {id_or_name}: its manifest is unreadable and it is the checkpoint "
+                                       f"of template {template}; delete the template to remove both") from None
             log.warning("deleting unreadable manifest %s", id_or_name)
             await self.drop_checkpoint(id_or_name)
             await self.gc()

@@ -253,6 +253,21 @@ class SnapshotRepository:
             raise SnapshotNotFound(id_or_name)
         return cp
 
+    def damaged(self, cp_id: str) -> bool:
+        """Whether manifest ``cp_id`` exists and its content does not parse (cut short by a host
+        crash, or damaged), as opposed to a read that failed for a passing reason (EMFILE, EIO)."""
+        if not NAME_RE.fullmatch(cp_id):
+            return False
+        try:
+            data = (self.manifests / f"{cp_id}.json").read_bytes()
+        except OSError:
+            return False
+        try:
+            Checkpoint.from_json(json.loads(data))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return True
+        return False
+
     def _mtime(self) -> int:
         return self.manifests.stat().st_mtime_ns
 
