@@ -235,6 +235,14 @@ def test_cli_exec_with_stdin_feeds_the_command_and_ctrl_c_ends_it(
     r = subprocess.run([*AENV, "exec", sid, "--", "wc", "-c"], input=b"ignored", capture_output=True, env=env,
                        timeout=120)
     assert (r.returncode, r.stdout.strip()) == (0, b"0")
+    # a command that stops reading early is not an error; a signal death is 128+N, as in a shell
+    r = subprocess.run([*AENV, "exec", "-i", sid, "--", "head", "-c", "10"], input=blob * 16, capture_output=True,
+                       env=env, timeout=120)
+    assert (r.returncode, r.stdout) == (0, blob[:10]), r.stderr
+    for flags in ([], ["-i"]):
+        r = subprocess.run([*AENV, "exec", *flags, sid, "--", "sh", "-c", "kill -SEGV $$"], input=b"",
+                           capture_output=True, env=env, timeout=120)
+        assert r.returncode == 139 and b"segmentation fault" in r.stderr, (flags, r.returncode, r.stderr)
     # stdin left open (nothing written, no EOF): Ctrl-C ends aenv and the command in the sandbox
     p = subprocess.Popen([*AENV, "exec", "-i", sid, "--", "sh", "-c", "cat; touch /tmp/ctrl-c-i-marker"],
                          env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -245,3 +253,11 @@ def test_cli_exec_with_stdin_feeds_the_command_and_ctrl_c_ends_it(
     time.sleep(1.0)
     assert run(api, sid, "pgrep -x cat; test -e /tmp/ctrl-c-i-marker; echo $?")["stdout"] == "1\n", \
         "the command ran on after aenv went"
+    paused = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    try:
+        assert api.post(f"/sandboxes/{paused}/pause").status_code == 204
+        r = subprocess.run([*AENV, "exec", "-i", paused, "--", "cat"], input=b"x", capture_output=True, env=env,
+                           timeout=120)
+        assert r.returncode == 1 and b"is paused" in r.stderr and b"aenv resume" in r.stderr, r.stderr
+    finally:
+        api.delete(f"/sandboxes/{paused}")

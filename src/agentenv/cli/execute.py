@@ -11,7 +11,6 @@ server's exec route carries no input.
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from typing import Annotated, Any
 
@@ -20,6 +19,7 @@ from typer.core import TyperCommand, TyperOption
 
 from agentenv.cli.client import EXEC_TIMEOUT, ApiClient, client_for
 from agentenv.cli.context import CliError
+from agentenv.cli.exitstatus import exit_status
 from agentenv.cli.params import parse_pairs
 from agentenv.cli.terminal import run_piped
 
@@ -100,16 +100,9 @@ def _exit_code(end: dict[str, Any]) -> int:
     """The command's exit status; a signal death becomes 128+N and is reported on stderr."""
     code = end.get("exitCode")
     error = end.get("error") or ""
-    if isinstance(code, int) and code >= 0:
-        return min(code, 255)
-    if error:
+    if not (isinstance(code, int) and code >= 0) and error:
         _write(sys.stderr, f"aenv: {error}\n")
-    if error.startswith("signal: "):
-        name = error.removeprefix("signal: ")
-        for sig in signal.Signals:
-            if (signal.strsignal(sig) or "").lower() == name:
-                return 128 + sig.value
-    return 1
+    return exit_status(code if isinstance(code, int) else None, error)
 
 
 def exec_command(
@@ -134,6 +127,9 @@ def exec_command(
     with client_for(ctx) as client:
         if stdin:  # straight to the sandbox's envd (through the server's proxy), which takes input
             sandbox = client.call("GET", f"/sandboxes/{sandbox_id}")
+            if sandbox.get("state") != "running":
+                raise CliError(f"sandbox {sandbox_id} is {sandbox.get('state')}; it must be running "
+                               f"(`aenv resume {sandbox_id}`)", status=409)
             code = run_piped(client.url, sandbox, command, envs=envs, cwd=cwd, user=user, timeout=timeout)
         else:
             code = stream_exec(client, sandbox_id, command, envs=envs, cwd=cwd, user=user, timeout=timeout)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import shutil
 import signal
 import sys
@@ -35,11 +36,13 @@ from contextlib import aclosing, suppress
 from typing import Any
 
 from agentenv.cli.context import CliError
-from agentenv.envd_client import EnvdClient, EnvdError
+from agentenv.cli.exitstatus import exit_status, signal_number
+from agentenv.envd_client import EnvdClient, EnvdError, EnvdUnavailable
 
 ENVD_PORT = 49983
 REFRESH_EVERY_S = 60.0
-_SIGNALS = {"hangup": 1, "interrupt": 2, "quit": 3, "killed": 9, "terminated": 15}
+# Input chunks read ahead of the sandbox: a fast producer waits instead of filling our memory.
+INPUT_AHEAD = 16
 
 
 def envd_for(server_url: str, sandbox: dict[str, Any]) -> EnvdClient:
@@ -83,9 +86,12 @@ def _stdin_fd() -> int | None:
 
 
 def _exit_code(exit_code: int, exited: bool, status: str) -> int:
+    """As `aenv exec` reports it: the code, or 128+N (and a line on stderr) for signal N."""
     if exited or exit_code >= 0:
-        return exit_code
-    return 128 + _SIGNALS.get(status.removeprefix("signal: "), 9)
+        return exit_status(exit_code, status)
+    _write(sys.stderr.buffer, f"aenv: {status}\n".encode())
+    num = signal_number(status)
+    return 128 + (num if num is not None else signal.SIGKILL)
 
 
 async def _refresh_loop(refresh: Callable[[], object]) -> None:
@@ -123,19 +129,43 @@ async def _queue_chunks(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[byt
         yield chunk
 
 
-def _read_into(queue: asyncio.Queue[bytes | None], loop: asyncio.AbstractEventLoop) -> None:
-    """Thread body: copy stdin into ``queue`` until EOF (then None). A daemon thread, as a
-    blocked read can't be interrupted; it works for pipes and regular files alike. It reads the
-    file descriptor, not ``sys.stdin.buffer``: a daemon thread blocked holding that buffer's
-    lock makes the interpreter abort at exit (Ctrl-C while the input is still open)."""
+def _read_into(queue: asyncio.Queue[bytes | None], loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
+    """Thread body: copy stdin into ``queue`` until EOF, then None (an unreadable stdin, e.g. a
+    hung-up terminal, ends the input too). A daemon thread, as a blocked read can't be
+    interrupted; it works for pipes and regular files alike. It reads the file descriptor, not
+    ``sys.stdin.buffer``: a daemon thread blocked holding that buffer's lock makes the
+    interpreter abort at exit (Ctrl-C while the input is still open)."""
     fd = _stdin_fd()
+    while fd is not None and not stop.is_set():
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:  # a non-blocking stdin: wait until it has data
+            select.select([fd], [], [], 0.5)
+            continue
+        except (OSError, ValueError):
+            break
+        if not chunk or not _put(queue, loop, chunk, stop):
+            break
+    _put(queue, loop, None, stop)
+
+
+def _put(queue: asyncio.Queue[bytes | None], loop: asyncio.AbstractEventLoop, item: bytes | None,
+         stop: threading.Event) -> bool:
+    """Put ``item`` from a thread, waiting while the queue is full; False once aenv is going."""
     try:
-        while fd is not None and (chunk := os.read(fd, 65536)):
-            loop.call_soon_threadsafe(queue.put_nowait, chunk)
-    except (OSError, ValueError, RuntimeError):  # RuntimeError: the loop closed (aenv is going)
-        return
-    with suppress(RuntimeError):
-        loop.call_soon_threadsafe(queue.put_nowait, None)
+        done = asyncio.run_coroutine_threadsafe(queue.put(item), loop)
+    except RuntimeError:  # the loop is closed
+        return False
+    while not stop.is_set():
+        try:
+            done.result(0.5)
+            return True
+        except TimeoutError:
+            continue
+        except BaseException:  # noqa: BLE001 — cancelled with the loop
+            return False
+    done.cancel()
+    return False
 
 
 def _write(stream: Any, data: bytes) -> None:
@@ -151,14 +181,22 @@ async def _pipe_session(envd: EnvdClient, cmd: str | list[str] | None = None, *,
     before the process ends, the process is killed, as a local pipeline's would be."""
     async with envd:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(INPUT_AHEAD)
+        stop = threading.Event()
         feeder: asyncio.Task[None] | None = None
         pid = 0
+        input_cut: list[EnvdError] = []
 
         async def feed(pid: int) -> None:
             try:
                 await envd.stream_input(pid, _queue_chunks(queue))
                 await envd.close_stdin(pid)
+            except EnvdUnavailable as exc:
+                # The input's connection was cut while the process may still be reading: it
+                # must not go on with part of its input (a `tar x` would leave half a tree).
+                input_cut.append(exc)
+                with suppress(EnvdError):
+                    await envd.send_signal(pid, "SIGKILL")
             except EnvdError:
                 pass  # the process ended before reading all of stdin (e.g. `exit` in the middle)
 
@@ -170,7 +208,7 @@ async def _pipe_session(envd: EnvdClient, cmd: str | list[str] | None = None, *,
                 async for ev in events:
                     if ev.type == "start":
                         pid = ev.pid
-                        threading.Thread(target=_read_into, args=(queue, loop), daemon=True).start()
+                        threading.Thread(target=_read_into, args=(queue, loop, stop), daemon=True).start()
                         feeder = asyncio.create_task(feed(ev.pid))
                     elif ev.type in ("stdout", "pty"):
                         _write(sys.stdout.buffer, ev.data)
@@ -178,8 +216,12 @@ async def _pipe_session(envd: EnvdClient, cmd: str | list[str] | None = None, *,
                         _write(sys.stderr.buffer, ev.data)
                     elif ev.type == "end":
                         pid = 0
+                        if input_cut:  # (recorded before the kill that ended it)
+                            raise EnvdError("unavailable", f"its input was cut ({input_cut[0].message}); "
+                                                           "the command was killed")
                         return _exit_code(ev.exit_code, ev.exited, ev.status)
         finally:
+            stop.set()
             if feeder is not None:
                 feeder.cancel()
                 with suppress(asyncio.CancelledError, EnvdError):
