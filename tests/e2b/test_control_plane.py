@@ -192,12 +192,30 @@ def test_templates_and_metrics_of_several_sandboxes(sdk: SDK, api: httpx.Client)
     assert base["aliases"] == ["base"] and base["buildStatus"] == "ready" and base["envdVersion"] == "0.6.13"
     assert api.get("/templates/aliases/base").json() == {"templateID": "base", "public": True}
     assert api.get("/templates/aliases/nope").status_code == 404
-    out = sdk.python(PY_LATEST, """
-        import json
-        from e2b import Template
-        print(json.dumps({"base": Template.exists("base"), "nope": Template.exists("nope")}))
-    """)
-    assert out == {"base": True, "nope": False}
+    # A name whose first build has not run yet is taken: Template.exists says so.
+    reserved = api.post("/v3/templates", json={"name": "cp-reserved"})
+    assert reserved.status_code == 202, reserved.text
+    try:
+        out = sdk.python(PY_LATEST, """
+            import json, os, httpx
+            from e2b import Template
+            from e2b.api.client.models.template_with_builds import TemplateWithBuilds
+            o = {"base": Template.exists("base"), "nope": Template.exists("nope"),
+                 "reserved": Template.exists("cp-reserved")}
+            for name in ("base", "cp-reserved"):  # GET /templates/{id} as the SDK's client parses it
+                r = httpx.get(os.environ["E2B_API_URL"] + "/templates/" + name,
+                              headers={"X-API-Key": os.environ["E2B_API_KEY"]})
+                t = TemplateWithBuilds.from_dict(r.json())
+                o[name + "_builds"] = [[str(b.build_id), b.status.value] for b in t.builds]
+                o[name + "_build_id"] = t.build_id
+            print(json.dumps(o))
+        """)
+    finally:
+        api.delete("/templates/cp-reserved")
+    assert {k: out[k] for k in ("base", "nope", "reserved")} == {"base": True, "nope": False, "reserved": True}
+    assert out["base_builds"] == [[out["base_build_id"], "ready"]]
+    assert out["cp-reserved_builds"] == [[reserved.json()["buildID"], "waiting"]]
+    assert api.get("/templates/aliases/cp-reserved").status_code == 404, "deleted with its build"
     ids = [_create(api, timeout=60)["sandboxID"] for _ in range(2)]
     # A third whose guest agent is gone (stopped with its supervisor, so nothing restarts it):
     # its metrics cannot be read, and it is left out of the batch, which answers for the others.
@@ -206,8 +224,10 @@ def test_templates_and_metrics_of_several_sandboxes(sdk: SDK, api: httpx.Client)
         r = api.post(f"/sandboxes/{dead}/exec", json={"user": "root", "cmd": (
             f"nohup python3 -c {shlex.quote(STOP_AGENT)} >/dev/null 2>&1 &")})
         assert r.json()["exitCode"] == 0
-        time.sleep(1.5)
-        assert api.post(f"/sandboxes/{dead}/exec", json={"cmd": "true"}).status_code >= 500
+        deadline = time.monotonic() + 30  # the stopper runs in the background: poll until it has
+        while api.post(f"/sandboxes/{dead}/exec", json={"cmd": "true"}).status_code < 500:
+            assert time.monotonic() < deadline, "the guest agent still answers"
+            time.sleep(0.5)
         r = api.get("/sandboxes/metrics", params={"sandbox_ids": ",".join([*ids, dead, "inotthere"])})
         assert r.status_code == 200, r.text
         got = r.json()["sandboxes"]

@@ -296,10 +296,12 @@ def test_metrics_are_read_from_the_guest(sdk: SDK) -> None:
             o["m"] = [x.cpu_count, x.cpu_used_pct, x.mem_used, x.mem_total, x.mem_cache, x.disk_used, x.disk_total]
         df = sb.commands.run("df -B1 --output=used,size / | tail -1").stdout.split()
         o["df"] = [int(df[0]), int(df[1])]
+        sb.pause()  # a paused sandbox's metrics are those it had (E2B answers them too)
+        o["paused"] = len(Sandbox.get_metrics(sb.sandbox_id))
         sb.kill()
         print(json.dumps(o))
     """)
-    assert out["n"] >= 1 and out["early"] == 0
+    assert out["n"] >= 1 and out["early"] == 0 and out["paused"] == out["n"]
     cpus, pct, mem_used, mem_total, mem_cache, disk_used, disk_total = out["m"]
     assert cpus == 1 and 0 <= pct <= 100
     assert 300 * 2**20 < mem_total <= 512 * 2**20 and 0 < mem_used < mem_total and 0 <= mem_cache < mem_total

@@ -9,7 +9,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from agentenv.orchestrator import SandboxRecord
 from agentenv.orchestrator.lifecycle import api_state
@@ -203,3 +210,28 @@ class TemplateInfo(BaseModel):
     buildCount: int = 1
     envdVersion: str = ENVD_VERSION
     buildStatus: str = "ready"
+
+
+class TemplateBuild(BaseModel):
+    """One build of a template, as E2B lists it (its buildID a UUID, which the SDK parses)."""
+
+    buildID: str
+    status: str
+    createdAt: str
+    updatedAt: str
+    finishedAt: str | None = None
+    cpuCount: int
+    memoryMB: int
+    diskSizeMB: int | None = None
+    envdVersion: str = ENVD_VERSION
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # The SDK parses finishedAt and diskSizeMB when present: absent, not null, until known.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class TemplateWithBuilds(TemplateInfo):
+    """E2B's TemplateWithBuilds (``GET /templates/{id}``): the template and its builds, newest first."""
+
+    builds: list[TemplateBuild]

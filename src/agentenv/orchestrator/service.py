@@ -867,17 +867,19 @@ class Orchestrator:
         assert live.slot is not None
         return live.slot.ns_addr
 
-    async def metrics(self, sandbox_id: str, start: float | None = None,
-                      end: float | None = None) -> list[dict[str, Any]]:
-        """Resource samples of a running sandbox inside [start, end] (unix seconds).
+    async def metrics(self, sandbox_id: str, start: float | None = None, end: float | None = None,
+                      running_only: bool = False) -> list[dict[str, Any]]:
+        """Resource samples of a sandbox inside [start, end] (unix seconds): those taken while
+        it ran (a paused one answers with its history, as E2B does), plus a new one if it runs.
 
         Samples are read from the guest's /proc and statfs through the agent when asked for
         (at most one every 5 s), not by a background poller: an idle sandbox costs nothing.
         Each is a dict with E2B's SandboxMetric fields (timestamp as unix seconds)."""
-        live = self._require(sandbox_id, GUEST_UP)
+        live = self._require(sandbox_id, GUEST_UP if running_only else set(State))
         samples = self._metrics.setdefault(sandbox_id, [])
         now = time.time()
-        if (not samples or now - samples[-1]["timestampUnix"] >= 5) and (end is None or end >= now - 1):
+        if live.record.state in GUEST_UP and (not samples or now - samples[-1]["timestampUnix"] >= 5) \
+                and (end is None or end >= now - 1):
             samples.append(await self._sample(live))
             del samples[:-720]
         lo = live.record.started_at - 1 if start is None else start

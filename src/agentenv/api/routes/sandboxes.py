@@ -231,7 +231,7 @@ async def sandboxes_metrics(request: Request, sandbox_ids: str = Query(min_lengt
 
     async def latest(sid: str) -> tuple[str, dict[str, Any] | None]:
         try:
-            points = await orch.metrics(sid)
+            points = await orch.metrics(sid, running_only=True)
         except (RequestError, PlatformError, EnvdError):  # unknown, not running, unreachable: left out
             return sid, None
         return sid, SandboxMetric.of(points[-1]).model_dump() if points else None

@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import uuid
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentenv.api.models import TemplateInfo, rfc3339
+from agentenv.api.models import (
+    TemplateBuild,
+    TemplateInfo,
+    TemplateWithBuilds,
+    rfc3339,
+)
 from agentenv.api.routes import optional_body, orch_of
 from agentenv.errors import InvalidRequest, NotFound, RequestError
 from agentenv.orchestrator import Orchestrator
@@ -105,8 +111,11 @@ class DeleteTagsRequest(BaseModel):
 
 def _catalog_info(orch: Orchestrator, name: str) -> TemplateInfo:
     t = orch.catalog.get(name)
-    at = rfc3339(orch.template_created_at(t.name))
-    return TemplateInfo(templateID=t.name, buildID=t.name, aliases=[t.name], names=[t.name], cpuCount=t.vcpus,
+    created = orch.template_created_at(t.name)
+    at = rfc3339(created)
+    # A UUID, as E2B's build ids are (the SDK parses them): one per build of the template.
+    build_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"agentenv:template:{t.name}:{created}"))
+    return TemplateInfo(templateID=t.name, buildID=build_id, aliases=[t.name], names=[t.name], cpuCount=t.vcpus,
                         memoryMB=t.memory_mb, diskSizeMB=t.disk_mb, createdAt=at, updatedAt=at)
 
 
@@ -162,17 +171,34 @@ async def remove_tags(body: DeleteTagsRequest, request: Request) -> Response:
 
 @router.get("/templates/aliases/{alias}")
 async def template_alias(alias: str, request: Request) -> JSONResponse:
-    """``Template.exists(name)``: 200 if a template has this name or alias, else 404."""
+    """``Template.exists(name)``: 200 if a template has this name or alias (also while its first
+    build runs: the name is taken), else 404."""
     orch = orch_of(request)
-    if orch.builds.exists(alias):
+    if orch.builds.exists(alias) or orch.builds.builds_of(alias):  # built, or its first build under way
         return JSONResponse({"templateID": alias, "public": True})
     t = orch.catalog.get(alias)  # TemplateNotFound → 404
     return JSONResponse({"templateID": t.name, "public": True})
 
 
-@router.get("/templates/{template_id}", response_model=TemplateInfo)
-async def get_template(template_id: str, request: Request) -> TemplateInfo:
-    return _info(orch_of(request), template_id)
+@router.get("/templates/{template_id}", response_model=TemplateWithBuilds)
+async def get_template(template_id: str, request: Request) -> TemplateWithBuilds:
+    orch = orch_of(request)
+    info = _info(orch, template_id)
+    records = sorted(orch.builds.builds_of(info.templateID), key=lambda b: b.created_at, reverse=True)
+    if records:
+        builds = [_build_info(b, info) for b in records]
+    else:  # a built-in template: the one build it is
+        builds = [TemplateBuild(buildID=info.buildID, status="ready", createdAt=info.createdAt,
+                                    updatedAt=info.updatedAt, finishedAt=info.updatedAt, cpuCount=info.cpuCount,
+                                    memoryMB=info.memoryMB, diskSizeMB=info.diskSizeMB)]
+    return TemplateWithBuilds(**info.model_dump(), builds=builds)
+
+
+def _build_info(b: BuildRecord, info: TemplateInfo) -> TemplateBuild:
+    finished = rfc3339(b.finished_at) if b.finished_at else None
+    return TemplateBuild(buildID=b.build_id, status=b.status, createdAt=rfc3339(b.created_at),
+                             updatedAt=finished or rfc3339(b.created_at), finishedAt=finished,
+                             cpuCount=b.vcpus or info.cpuCount, memoryMB=b.memory_mb or info.memoryMB)
 
 
 @router.delete("/templates/{template_id}", status_code=204, response_class=Response)
