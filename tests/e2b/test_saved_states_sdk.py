@@ -163,3 +163,28 @@ def test_filesystem_only_pause_snapshot_and_reboot(sdk: SDK) -> None:
     """, timeout=600)
     assert out == {"pause": True, "info": "paused", "rebooted": True, "file": "on disk", "env": "kept-env",
                    "reboot_on_resume": True, "snapshot_file": "on disk"}
+
+
+def test_snapshot_list_pages_and_name_filter(sdk: SDK) -> None:
+    """Sandbox.list_snapshots pages with limit/next_token, newest first, and takes a name
+    as the SDK documents it: plain, namespaced, or with the default tag (no other tags here)."""
+    out = sdk.python(PY_LATEST, """
+        import json
+        from e2b import Sandbox
+        sb = Sandbox.create(timeout=300)
+        made = [sb.create_snapshot(name=f"page-{i}").snapshot_id for i in range(3)]
+        o = {"made": made, "pages": []}
+        p = sb.list_snapshots(limit=2)
+        while p.has_next:
+            o["pages"].append([s.snapshot_id for s in p.next_items()])
+        o["by_name"] = {n: [s.snapshot_id for s in Sandbox.list_snapshots(name=n).next_items()]
+                        for n in ("page-1", "team/page-1:default", "page-1:v2", made[0])}
+        for s in made:
+            Sandbox.delete_snapshot(s)
+        sb.kill()
+        print(json.dumps(o))
+    """, timeout=600)
+    made = out["made"]
+    assert out["pages"] == [[made[2], made[1]], [made[0]]]
+    assert out["by_name"] == {"page-1": [made[1]], "team/page-1:default": [made[1]], "page-1:v2": [],
+                              made[0]: [made[0]]}

@@ -694,9 +694,8 @@ class Orchestrator:
 
         return await fork(self, sandbox_id, count, timeout_s)
 
-    def list_snapshots(self, sandbox_id: str | None = None, name: str | None = None) -> list[Checkpoint]:
-        return [c for c in self.repo.list("snapshot")
-                if (sandbox_id is None or c.source_sandbox == sandbox_id) and (name is None or c.name == name)]
+    def list_snapshots(self, sandbox_id: str | None = None) -> list[Checkpoint]:
+        return [c for c in self.repo.list("snapshot") if sandbox_id is None or c.source_sandbox == sandbox_id]
 
     async def delete_snapshot(self, id_or_name: str) -> None:
         try:

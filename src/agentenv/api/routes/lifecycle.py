@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentenv.api import paging
 from agentenv.api.errors import status_of
 from agentenv.api.models import Sandbox
 from agentenv.api.routes import optional_body, orch_of
@@ -98,8 +99,24 @@ async def create_snapshot(sandbox_id: str, request: Request) -> SnapshotInfo:
 
 
 @router.get("/snapshots", response_model=list[SnapshotInfo], response_model_exclude_none=True)
-async def list_snapshots(request: Request, sandboxID: str | None = None, name: str | None = None) -> list[SnapshotInfo]:
-    return [SnapshotInfo.of(cp) for cp in orch_of(request).list_snapshots(sandboxID, name)]
+async def list_snapshots(request: Request, response: Response, sandboxID: str | None = None,
+                         name: str | None = None, limit: int = 100,
+                         nextToken: str | None = None) -> list[SnapshotInfo]:
+    """Newest first, ``limit`` per page (``X-Next-Token``). ``name`` is a snapshot's name or id,
+    as the SDK passes it: a ``namespace/`` prefix is dropped and only the ``default`` tag
+    matches (snapshots here have no other tags)."""
+    paging.check_limit(limit)
+    wanted = None
+    if name:
+        wanted, _, tag = name.rsplit("/", 1)[-1].partition(":")
+        if tag not in ("", "default"):
+            return []
+    cps = [cp for cp in orch_of(request).list_snapshots(sandboxID)
+           if wanted is None or wanted in (cp.name, cp.id)]
+    page, token = paging.page(cps, lambda cp: (cp.created_at, cp.id), limit, nextToken)
+    if token:
+        response.headers["X-Next-Token"] = token
+    return [SnapshotInfo.of(cp) for cp in page]
 
 
 @router.delete("/snapshots/{snapshot_id}", status_code=204, response_class=Response)

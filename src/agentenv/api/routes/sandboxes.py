@@ -4,8 +4,6 @@ get, kill, timeout, refresh, network, metrics. Templates: routes/templates.py. S
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hashlib
 import json
 from datetime import UTC, datetime
@@ -15,6 +13,7 @@ from urllib.parse import unquote
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from agentenv.api import paging
 from agentenv.api.models import (
     ListedSandbox,
     NetworkConfig,
@@ -168,23 +167,6 @@ async def list_sandboxes(request: Request, state: str | None = None,
     return [ListedSandbox.of(r) for r in recs]
 
 
-def _cursor(r: SandboxRecord) -> tuple[float, str]:
-    return (r.started_at, r.id)
-
-
-def _encode_token(r: SandboxRecord, order: str) -> str:
-    raw = f"{r.started_at!r}__{r.id}" + ("__asc" if order == "asc" else "")
-    return base64.urlsafe_b64encode(raw.encode()).decode()
-
-
-def _decode_token(token: str) -> tuple[float, str]:
-    try:
-        parts = base64.urlsafe_b64decode(token.encode() + b"=" * (-len(token) % 4)).decode().split("__")
-        return float(parts[0]), parts[1]
-    except (binascii.Error, UnicodeDecodeError, ValueError, IndexError) as exc:
-        raise InvalidRequest("nextToken is not a token this server issued") from exc
-
-
 @router.get("/v2/sandboxes", response_model=list[ListedSandbox])
 async def list_sandboxes_v2(request: Request, response: Response, state: str | None = None,
                             metadata: Annotated[list[str] | None, Query()] = None, order: str = "desc",
@@ -192,8 +174,7 @@ async def list_sandboxes_v2(request: Request, response: Response, state: str | N
                             limit: int = 100, nextToken: str | None = None) -> list[ListedSandbox]:
     """Running and paused sandboxes by default, newest first, ``limit`` per page; the cursor
     of the next page is in the ``X-Next-Token`` header (absent on the last page)."""
-    if not 1 <= limit <= 100:
-        raise InvalidRequest(f"limit must be between 1 and 100, got {limit}")
+    paging.check_limit(limit)
     if order not in ("asc", "desc"):
         raise InvalidRequest("order must be asc or desc")
     if template and ":" in template:
@@ -211,13 +192,9 @@ async def list_sandboxes_v2(request: Request, response: Response, state: str | N
         recs = [r for r in recs if datetime.fromtimestamp(r.started_at, UTC) >= after]
     if template:
         recs = [r for r in recs if r.template == template]
-    recs.sort(key=_cursor, reverse=order == "desc")
-    if nextToken:
-        cur = _decode_token(nextToken)
-        recs = [r for r in recs if (_cursor(r) < cur if order == "desc" else _cursor(r) > cur)]
-    page = recs[:limit]
-    if len(recs) > limit:
-        response.headers["X-Next-Token"] = _encode_token(page[-1], order)
+    page, token = paging.page(recs, lambda r: (r.started_at, r.id), limit, nextToken, ascending=order == "asc")
+    if token:
+        response.headers["X-Next-Token"] = token
     response.headers["X-Total-Running"] = str(sum(1 for r in orch.list() if r.state == State.RUNNING))
     return [ListedSandbox.of(r) for r in page]
 
