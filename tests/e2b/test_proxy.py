@@ -121,6 +121,22 @@ def test_proxy_routing_errors(e2b_server: ServerProcess) -> None:
     assert httpx.get(u + "/health").status_code == 204  # no sandbox headers: the API
 
 
+def test_a_request_dialing_a_closed_port_when_its_sandbox_is_killed_gets_not_found(
+        e2b_server: ServerProcess, api: httpx.Client) -> None:
+    """The proxy retries a port that refuses (a server may be starting) for about a second;
+    a sandbox killed meanwhile answers E2B's not-found 502, not a 500 from its closed client."""
+    for delay in (0.1, 0.3, 0.5):
+        sid = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 60}).json()["sandboxID"]
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.get, e2b_server.url + "/", timeout=30,
+                                  headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "9"})
+            time.sleep(delay)
+            assert api.delete(f"/sandboxes/{sid}").status_code == 204
+            r = pending.result()
+        assert r.status_code == 502, (delay, r.status_code, r.text)
+        assert r.json()["message"] in ("The sandbox was not found", "The sandbox is running but port is not open"), r.text
+
+
 def test_streamed_upload_and_download_through_the_proxy(e2b_server: ServerProcess, api: httpx.Client) -> None:
     """A chunked upload of unknown length and a download, 32 MiB each way, byte-exact."""
     sb = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300}).json()
