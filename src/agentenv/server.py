@@ -1,4 +1,4 @@
-"""Composition root: settings → orchestrator → API → uvicorn.
+"""Composition root: settings → orchestrator → API behind the sandbox proxy → uvicorn.
 
 The only module (with cli/) that reads configuration; everything below receives values.
 """
@@ -17,6 +17,7 @@ from agentenv.images import artifacts_present
 from agentenv.images.registry import RegistrySettings
 from agentenv.orchestrator import Orchestrator, Template, TemplateCatalog
 from agentenv.orchestrator.ids import new_api_key
+from agentenv.proxy import ProxyMiddleware, SandboxProxy
 
 DEFAULT_TEMPLATE = "base"
 
@@ -56,7 +57,11 @@ def register_default_template(settings: Settings) -> None:
                 catalog.put(replace(t, artifacts=shared))
 
 
-def build_app(settings: Settings):  # type: ignore[no-untyped-def]
+def build_app(settings: Settings) -> ProxyMiddleware:
+    """The API behind the sandbox proxy, over one orchestrator. Requests for a sandbox port
+    ({port}-{id}.{domain} Host, or E2b-Sandbox-Id/-Port headers as E2B SDKs send them with
+    E2B_SANDBOX_URL) go to the proxy before FastAPI sees them: a command's round trip does not
+    pay for the framework's middleware stack on every message of its streamed response."""
     from agentenv.api import create_app
 
     register_default_template(settings)
@@ -64,7 +69,9 @@ def build_app(settings: Settings):  # type: ignore[no-untyped-def]
         registry = RegistrySettings.from_env()
     except ValueError as exc:
         raise ProvisioningError(f"registry settings: {exc}") from exc
-    return create_app(Orchestrator(settings, registry), api_key_for(settings))
+    orch = Orchestrator(settings, registry)
+    proxy = SandboxProxy(orch, settings.domain)
+    return ProxyMiddleware(create_app(orch, api_key_for(settings), on_stop=proxy.aclose), proxy)
 
 
 def serve(settings: Settings) -> None:

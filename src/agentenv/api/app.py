@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -12,15 +12,12 @@ from agentenv import __version__
 from agentenv.api import errors
 from agentenv.api.routes import data, images, lifecycle, sandboxes, system, templates
 from agentenv.orchestrator import Orchestrator
-from agentenv.proxy import ProxyMiddleware, SandboxProxy
 
 
-def create_app(orch: Orchestrator, api_key: str) -> ProxyMiddleware:
-    """The API, behind the sandbox proxy. Requests for a sandbox port ({port}-{id}.{domain}
-    Host, or E2b-Sandbox-Id/-Port headers as E2B SDKs send them with E2B_SANDBOX_URL) go to the
-    proxy before FastAPI sees them: a command's round trip does not pay for the framework's
-    middleware stack on every message of its streamed response."""
-    proxy = SandboxProxy(orch, orch.settings.domain)
+def create_app(orch: Orchestrator, api_key: str,
+               on_stop: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+    """The API. Its lifespan starts and stops the orchestrator; ``on_stop`` runs first on the
+    way down (the sandbox proxy in front of it, put there by server.py, closes its clients)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -28,7 +25,8 @@ def create_app(orch: Orchestrator, api_key: str) -> ProxyMiddleware:
         try:
             yield
         finally:
-            await proxy.aclose()
+            if on_stop is not None:
+                await on_stop()
             await orch.stop()
 
     async def require_key(request: Request) -> None:
@@ -52,7 +50,7 @@ def create_app(orch: Orchestrator, api_key: str) -> ProxyMiddleware:
     app.include_router(images.router, dependencies=[Depends(require_key)])
     app.include_router(templates.router, dependencies=[Depends(require_key)])
     app.include_router(templates.uploads)  # its own token in the url, like a pre-signed url
-    return ProxyMiddleware(app, proxy)
+    return app
 
 
 class _Unauthorized(Exception):
