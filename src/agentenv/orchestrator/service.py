@@ -20,7 +20,6 @@ from agentenv.envd_client import CommandResult, EnvdClient, EnvdError, ProcessEv
 from agentenv.errors import (
     CapacityExhausted,
     GuestError,
-    GuestUnresponsive,
     InvalidRequest,
     NetworkError,
     PlatformError,
@@ -45,7 +44,9 @@ from agentenv.orchestrator.capacity import below_reserve, memory_shortfall
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.idempotency import CreateOnce
 from agentenv.orchestrator.lifecycle import ACTIVE, GUEST_UP, State, allowed
+from agentenv.orchestrator.metrics import GuestMetrics
 from agentenv.orchestrator.pool import WarmPool
+from agentenv.orchestrator.reaper import Reaper
 from agentenv.orchestrator.sandbox import LiveSandbox
 from agentenv.orchestrator.shells import Shell, make_shell
 from agentenv.orchestrator.store import SandboxRecord, Store
@@ -61,7 +62,6 @@ from agentenv.vmm import AccelInfo, detect_accel, ksm
 
 log = logging.getLogger(__name__)
 
-REAP_CONCURRENCY = 4  # sandboxes past their timeout killed or paused at once
 
 
 INIT_RETRY_S = 5.0  # init_later: between tries, and the bound of each
@@ -112,8 +112,8 @@ class Orchestrator:
         self._forking = 0  # forks in progress (their memory file is not mapped yet)
         self._tasks: list[asyncio.Task[None]] = []
         self._cleanups: set[asyncio.Task[object]] = set()  # see _in_background
-        self._metrics: dict[str, list[dict[str, Any]]] = {}  # samples per sandbox, see metrics()
-        self._reap_retry: dict[str, tuple[float, float]] = {}  # a failed timeout action: (next try, delay)
+        self.guest_metrics = GuestMetrics()
+        self.reaper = Reaper(self)
         self._admitting = 0  # VMs admitted and starting, not yet in _live (see admitted())
         self._admitting_mb = 0  # ... and what they take beyond SANDBOX_MIN_MB each
         self._starting: list[Checkpoint] = []  # saved states sandboxes are being started from
@@ -144,7 +144,7 @@ class Orchestrator:
         await self.builds.start()
         self.pool.start()
         self._tasks.append(asyncio.create_task(self._prepare_templates(), name="prepare-templates"))
-        self._tasks.append(asyncio.create_task(self._reaper(), name="ttl-reaper"))
+        self._tasks.append(asyncio.create_task(self.reaper.run(), name="ttl-reaper"))
         self._tasks.append(asyncio.create_task(self._slot_keeper(), name="slot-keeper"))
         self._tasks.append(asyncio.create_task(parking.keeper(self), name="parked-keeper"))
 
@@ -412,8 +412,8 @@ class Orchestrator:
             if slot is not None:
                 self._in_background(self.slots.release(slot), f"removing the namespace of {sandbox_id}")
             self._live.pop(sandbox_id, None)
-            self._metrics.pop(sandbox_id, None)
-            self._reap_retry.pop(sandbox_id, None)
+            self.guest_metrics.forget(sandbox_id)
+            self.reaper.forget(sandbox_id)
             await self.store.delete(sandbox_id)
             await remove_tree(Path(live.record.run_dir))
             if live.record.paused is not None:
@@ -511,55 +511,6 @@ class Orchestrator:
             required = "running" if states is GUEST_UP else "/".join(sorted(s.value for s in states))
             raise SandboxStateError(sandbox_id, live.record.state.value, required)
         return live
-
-    async def _reaper(self) -> None:
-        """Kill (or, with auto-pause, pause) running sandboxes whose timeout has passed, a few
-        at a time: a batch of rollouts that all time out together is not handled one after the
-        other (each pause waits for its disk write, and for a sandbox busy with another
-        operation), and one sandbox stuck on its lock holds up no other."""
-        reaping: dict[str, asyncio.Task[None]] = {}
-        slots = asyncio.Semaphore(REAP_CONCURRENCY)
-        try:
-            while True:
-                await asyncio.sleep(0.5)
-                now = time.time()
-                for live in list(self._live.values()):
-                    if (live.id not in reaping and live.past_end()
-                            and self._reap_retry.get(live.id, (0.0, 0.0))[0] <= now):
-                        task = asyncio.create_task(self._reap(live, slots), name=f"reap-{live.id}")
-                        reaping[live.id] = task
-                        task.add_done_callback(lambda _t, sid=live.id: reaping.pop(sid, None))
-        finally:
-            for task in list(reaping.values()):
-                task.cancel()
-            await asyncio.gather(*reaping.values(), return_exceptions=True)
-
-    async def _reap(self, live: LiveSandbox, slots: asyncio.Semaphore) -> None:
-        async with slots:
-            action = "pause" if live.record.auto_pause else "kill"
-            log.info("sandbox %s reached its timeout: %s", live.id, action)
-            try:
-                await (self._auto_pause(live) if live.record.auto_pause else self.kill(live.id, due=True))
-                self._reap_retry.pop(live.id, None)
-            except SandboxNotFound:  # killed meanwhile
-                self._reap_retry.pop(live.id, None)
-            except Exception as exc:  # noqa: BLE001 — background
-                # Retried with a growing delay (a full disk stays full for a while); the
-                # sandbox keeps running meanwhile: nothing is lost, and the log says why.
-                delay = min(60.0, 2 * self._reap_retry.get(live.id, (0.0, 2.5))[1])
-                self._reap_retry[live.id] = (time.time() + delay, delay)
-                log.error("reaper could not %s %s (%r); retrying in %.0f s", action, live.id, exc, delay)
-
-    async def _auto_pause(self, live: LiveSandbox) -> None:
-        """E2B's auto-pause; ``autoPauseMemory: false`` makes it filesystem-only. When the guest
-        cannot flush its filesystems for that, its memory is saved instead: nothing is lost."""
-        if live.record.options.get("autoPauseMemory") is False:
-            try:
-                await self.pause(live.id, memory=False, due=True)
-                return
-            except GuestUnresponsive as exc:
-                log.warning("%s; saving its memory instead", exc.message)
-        await self.pause(live.id, due=True)
 
     async def _prepare_templates(self) -> None:
         """Snapshot every template in its default shape and fill its pool, in the background,
@@ -868,40 +819,8 @@ class Orchestrator:
 
     async def metrics(self, sandbox_id: str, start: float | None = None, end: float | None = None,
                       running_only: bool = False) -> list[dict[str, Any]]:
-        """Resource samples of a sandbox inside [start, end] (unix seconds): those taken while
-        it ran (a paused one answers with its history, as E2B does), plus a new one if it runs.
-
-        Samples are read from the guest's /proc and statfs through the agent when asked for
-        (at most one every 5 s), not by a background poller: an idle sandbox costs nothing.
-        Each is a dict with E2B's SandboxMetric fields (timestamp as unix seconds)."""
+        """Resource samples of a sandbox inside [start, end] (unix seconds), each a dict with
+        E2B's SandboxMetric fields: those taken while it ran, plus a new one if it runs
+        (orchestrator/metrics.py)."""
         live = self._require(sandbox_id, GUEST_UP if running_only else set(State))
-        samples = self._metrics.setdefault(sandbox_id, [])
-        now = time.time()
-        if live.record.state in GUEST_UP and (not samples or now - samples[-1]["timestampUnix"] >= 5) \
-                and (end is None or end >= now - 1):
-            samples.append(await self._sample(live))
-            del samples[:-720]
-        lo = live.record.started_at - 1 if start is None else start
-        hi = time.time() + 1 if end is None else end  # after sampling: a sample can take seconds
-        return [m for m in samples if lo <= m["timestampUnix"] <= hi]
-
-    async def _sample(self, live: LiveSandbox) -> dict[str, Any]:
-        assert live.envd is not None
-        script = ("head -1 /proc/stat; sleep 0.5; head -1 /proc/stat; "
-                  "grep -E '^(MemTotal|MemAvailable|Cached):' /proc/meminfo; stat -f -c '%S %b %f' /")
-        res = await live.envd.run(["sh", "-c", script], user="root", timeout=10)
-        lines = res.stdout.decode().splitlines()
-        if res.exit_code != 0 or len(lines) < 6:
-            raise PlatformError(f"sandbox {live.id}: could not read guest metrics: {res.stderr.decode()[-300:]}")
-        a = [int(x) for x in lines[0].split()[1:]]
-        b = [int(x) for x in lines[1].split()[1:]]
-        total = sum(b) - sum(a)
-        idle = (b[3] + b[4]) - (a[3] + a[4])  # idle + iowait
-        mem = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines[2:5]}
-        bsize, blocks, free = (int(x) for x in lines[5].split())
-        return {
-            "timestampUnix": int(time.time()), "cpuCount": live.record.vcpus,
-            "cpuUsedPct": round(100.0 * (total - idle) / total, 2) if total > 0 else 0.0,
-            "memUsed": mem["MemTotal"] - mem["MemAvailable"], "memTotal": mem["MemTotal"],
-            "memCache": mem["Cached"], "diskUsed": (blocks - free) * bsize, "diskTotal": blocks * bsize,
-        }
+        return await self.guest_metrics.points(live, start, end, sample=live.record.state in GUEST_UP)
