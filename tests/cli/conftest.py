@@ -55,6 +55,7 @@ class Answer:
     status: int = 200
     body: bytes | list[bytes] = b""  # a list is sent as separate writes (streamed)
     content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 Route = Callable[[Recorded], Answer]
@@ -112,6 +113,8 @@ def _handler(stub: Stub) -> type[BaseHTTPRequestHandler]:
             self.send_response(answer.status)
             self.send_header("Content-Type", answer.content_type)
             self.send_header("Content-Length", str(sum(len(c) for c in chunks)))
+            for name, value in answer.headers.items():
+                self.send_header(name, value)
             self.end_headers()
             for c in chunks:
                 self.wfile.write(c)

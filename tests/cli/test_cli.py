@@ -428,3 +428,67 @@ def test_an_unusable_server_address_or_key_is_one_line_not_a_traceback(aenv):
     for args in (["--url", "http://127.0.0.1:80x"], ["--url", "http://[::1"]):
         res = aenv(*args, "ls")
         assert res.exit_code == 1 and "not usable" in res.stderr and "Traceback" not in res.output
+
+
+def test_a_key_the_server_refuses_is_not_saved(aenv, isolated_env, stub):
+    path = isolated_env / ".config" / "agentenv" / "credentials.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")  # a damaged file does not stop `aenv auth` from replacing it
+    stub.on("GET", "/templates", {"code": 401, "message": "missing or invalid API key"}, status=401)
+    res = aenv("auth", "--url", stub.url, "--key", "wrong")
+    assert res.exit_code == 1 and "refused this key; nothing was saved" in res.stderr, res.output
+    assert path.read_text() == "{not json"
+    stub.on("GET", "/templates", [])
+    assert aenv("auth", "--url", stub.url, "--key", "right").exit_code == 0
+    assert json.loads(path.read_text()) == {"url": stub.url, "key": "right"}
+
+
+def test_an_answer_that_is_not_json_names_the_address(aenv, stub):
+    """A URL that points at another web server (it answers HTML), or a body cut short."""
+    stub.on("GET", "/sandboxes", Answer(200, b"<html>welcome</html>", content_type="text/html"))
+    res = aenv("--url", stub.url, "ls")
+    assert res.exit_code == 1 and "text/html, not JSON" in res.stderr and "Traceback" not in res.output
+    stub.on("POST", "/sandboxes", Answer(201, b'{"sandboxID": "sb'))
+    res = aenv("--url", stub.url, "start", "-d")
+    assert res.exit_code == 1 and "broken JSON" in res.stderr, res.output
+    stub.on("DELETE", "/sandboxes/x", Answer(500, b'["not", "an", "object"]'))
+    res = aenv("--url", stub.url, "rm", "x")
+    assert res.exit_code == 1 and "error: ['not', 'an', 'object']" in res.stderr, res.output
+
+
+def test_exec_refuses_an_option_it_does_not_have_before_the_command(aenv, stub):
+    for args in (["exec", "sb1", "--bogus", "ls"], ["exec", "-iq", "sb1", "ls"]):
+        res = aenv("--url", stub.url, *args)
+        assert res.exit_code == 1 and res.stderr.startswith("error: no such option"), res.output
+    assert not stub.requests, "nothing was run"
+    assert "Usage: aenv exec" in aenv("exec", "sb1", "-h").stdout
+
+
+def test_rm_all_does_not_fail_for_a_sandbox_gone_meanwhile(aenv, stub):
+    stub.on("GET", "/sandboxes", [SANDBOX, {**SANDBOX, "sandboxID": "sb2"}])
+    stub.on("DELETE", "/sandboxes/sb1", Answer(204))
+    stub.on("DELETE", "/sandboxes/sb2", {"code": 404, "message": "sandbox 'sb2' not found"}, status=404)
+    res = aenv("--url", stub.url, "rm", "--all")
+    assert res.exit_code == 0, res.output
+    res = aenv("--url", stub.url, "rm", "sb2")  # named: its absence is an error
+    assert res.exit_code == 1 and "not found" in res.stderr
+
+
+def test_snapshot_ls_follows_the_pages(aenv, stub):
+    snap = {"snapshotID": "s1", "names": ["one"], "sandboxID": "sb1", "createdAt": "2026-01-01T00:00:00Z"}
+
+    def pages(rec):
+        token = rec.query.get("nextToken", [None])[0]
+        if token is None:
+            return Answer(200, json.dumps([snap]).encode(), headers={"X-Next-Token": "t1"})
+        return Answer(200, json.dumps([{**snap, "snapshotID": "s2"}]).encode())
+
+    stub.on("GET", "/snapshots", pages)
+    res = aenv("--url", stub.url, "snapshot", "ls", "-o", "json")
+    assert res.exit_code == 0, res.output
+    assert [s["snapshotID"] for s in json.loads(res.stdout)] == ["s1", "s2"]
+
+
+def test_version(aenv):
+    res = aenv("--version")
+    assert res.exit_code == 0 and res.stdout.startswith("aenv ")

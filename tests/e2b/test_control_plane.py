@@ -190,6 +190,7 @@ def test_templates_and_metrics_of_several_sandboxes(sdk: SDK, api: httpx.Client)
     t = api.get("/templates").json()
     base = next(x for x in t if x["templateID"] == "base")
     assert base["aliases"] == ["base"] and base["buildStatus"] == "ready" and base["envdVersion"] == "0.6.13"
+    assert base["isDefault"] is True
     assert api.get("/templates/aliases/base").json() == {"templateID": "base", "public": True}
     assert api.get("/templates/aliases/nope").status_code == 404
     # A name whose first build has not run yet is taken: Template.exists says so.

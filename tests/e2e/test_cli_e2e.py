@@ -186,6 +186,9 @@ def test_cli_doctor_against_a_live_server(server: ServerProcess) -> None:
     r = aenv(server, "doctor")
     assert "tcg" in r.stdout or "kvm" in r.stdout
     assert r.returncode == 0, r.stdout + r.stderr
+    r = aenv(server, "template", "ls", "-o", "table")
+    base = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["base"])
+    assert "built-in" in base, r.stdout
 
 
 def test_cli_exec_passes_bytes_exactly_keeps_the_commands_options_and_ctrl_c_ends_it(

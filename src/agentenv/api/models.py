@@ -210,6 +210,7 @@ class TemplateInfo(BaseModel):
     buildCount: int = 1
     envdVersion: str = ENVD_VERSION
     buildStatus: str = "ready"
+    isDefault: bool = False  # one of the platform's own templates (base, code-interpreter), not a build
 
 
 class TemplateBuild(BaseModel):

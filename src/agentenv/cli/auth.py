@@ -34,14 +34,27 @@ def auth(
     if not key:
         raise CliError(f"no API key given and {directory / 'api_key'} is not readable; "
                        "pass --key, or run `sudo aenv auth` on the server host")
-    chosen = url or g.url or credentials.load().get("url") or credentials.DEFAULT_URL
-    chosen = credentials.normalize_url(chosen)
-    path = credentials.save(chosen, key)
-    out = console(stderr=True)
-    out.print(f"saved credentials for {chosen} to {path} (mode 0600)", markup=False)
     try:
-        with ApiClient(chosen, key, timeout=3.0) as client:
+        saved = credentials.load().get("url")
+    except CliError:
+        saved = None  # unreadable: replaced below
+    chosen = credentials.normalize_url(url or g.url or saved or credentials.DEFAULT_URL)
+    out = console(stderr=True)
+    # Checked before it is saved: a key the server refuses must not replace a good one. A
+    # server that cannot be reached now is no reason to refuse (it may be started later).
+    client = ApiClient(chosen, key, timeout=3.0)  # a key that cannot go in a header: CliError
+    verified = False
+    try:
+        with client:
             client.call("GET", "/templates")
-        out.print(f"the server at {chosen} accepted the key", markup=False)
+        verified = True
     except CliError as exc:
-        out.print(f"warning: could not verify the key: {exc}", style="yellow", markup=False)
+        if exc.status == 401:
+            raise CliError(f"the server at {chosen} refused this key; nothing was saved") from None
+        warning = f"warning: could not verify the key: {exc}"
+    path = credentials.save(chosen, key)
+    out.print(f"saved credentials for {chosen} to {path} (mode 0600)", markup=False)
+    if verified:
+        out.print(f"the server at {chosen} accepted the key", markup=False)
+    else:
+        out.print(warning, style="yellow", markup=False)

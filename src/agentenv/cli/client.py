@@ -56,12 +56,40 @@ class ApiClient:
 
     def call(self, method: str, path: str, **kw: Any) -> Any:
         """One request; returns the decoded JSON body (None when there is none)."""
+        return self._json(self._send(method, path, **kw))
+
+    def call_pages(self, path: str, params: dict[str, str] | None = None) -> list[Any]:
+        """Every item of a list route that pages as E2B's do (``X-Next-Token`` → ``nextToken``)."""
+        items: list[Any] = []
+        params = dict(params or {})
+        while True:
+            resp = self._send("GET", path, params=params)
+            page = self._json(resp)
+            if not isinstance(page, list):
+                raise CliError(f"the server at {self.url} answered {path} with {type(page).__name__}, not a list")
+            items += page
+            if not (token := resp.headers.get("x-next-token")):
+                return items
+            params["nextToken"] = token
+
+    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         with self._translate():
             resp = self._http.request(method, path, **kw)
         raise_for_error(resp)
-        if resp.content and resp.headers.get("content-type", "").startswith("application/json"):
+        return resp
+
+    def _json(self, resp: httpx.Response) -> Any:
+        """The body as JSON; an answer that is not JSON says the address is not our server's."""
+        if not resp.content:
+            return None
+        ctype = resp.headers.get("content-type", "")
+        if not ctype.startswith("application/json"):
+            raise CliError(f"the server at {self.url} answered {ctype or 'an untyped body'}, not JSON: "
+                           "is it an AgentENV server? (set the address with --url or `aenv auth`)")
+        try:
             return resp.json()
-        return None
+        except ValueError as exc:
+            raise CliError(f"the server at {self.url} answered with broken JSON ({exc})") from None
 
     @contextmanager
     def stream(self, method: str, path: str, **kw: Any) -> Iterator[httpx.Response]:
@@ -98,7 +126,7 @@ def error_message(resp: httpx.Response) -> str:
     """The server's ``message`` (falling back to the raw body), with a hint for a bad key."""
     try:
         body = resp.json()
-        message = str(body.get("message") or body.get("detail") or body)
+        message = str(body.get("message") or body.get("detail") or body) if isinstance(body, dict) else str(body)
     except ValueError:
         message = resp.text.strip()[:300] or f"HTTP {resp.status_code} {resp.reason_phrase}"
     if resp.status_code == 401:

@@ -23,8 +23,9 @@ from agentenv.cli.exitstatus import exit_status
 from agentenv.cli.params import parse_pairs
 from agentenv.cli.terminal import run_piped
 
-# `aenv exec ID ls -la` passes -la on to the command; only --help (not -h) is ours.
-CONTEXT = {"ignore_unknown_options": True, "help_option_names": ["--help"]}
+# `aenv exec ID ls -la` passes -la on to the command: options after the command's first word
+# are the command's (ExecCommand); before it, -h and --help are ours.
+CONTEXT = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
 
 
 class ExecCommand(TyperCommand):
@@ -33,15 +34,17 @@ class ExecCommand(TyperCommand):
     its ``-e``, which click would otherwise take as ``--env``)."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        options = {name for p in self.params if isinstance(p, TyperOption) for name in (*p.opts, *p.secondary_opts)}
         takes_value = {name for p in self.params if isinstance(p, TyperOption) and not p.is_flag
                        for name in p.opts}
+        ours = options | set(CONTEXT["help_option_names"])
         positional, i = 0, 0
         while i < len(args):
             arg = args[i]
             if arg == "--":
                 break
             if arg.startswith("-") and arg != "-":
-                i += 2 if arg in takes_value else 1  # (--opt=value is one argument)
+                i += 1 + _option_consumes_next(arg, ours, takes_value)
                 continue
             positional += 1
             if positional == 2:  # the command's first word
@@ -49,6 +52,27 @@ class ExecCommand(TyperCommand):
                 break
             i += 1
         return super().parse_args(ctx, args)
+
+
+def _option_consumes_next(arg: str, ours: set[str], takes_value: set[str]) -> int:
+    """1 if option ``arg`` (``--opt``, ``--opt=v``, ``-o``, ``-ov``, a cluster such as ``-iu``)
+    takes the next argument as its value, else 0; an option that is not ours is a typo (the
+    command has not begun), not an argument of the command."""
+    if arg.startswith("--"):
+        name, has_value = arg.split("=", 1)[0], "=" in arg
+        names = [name]
+    else:  # short options, clustered as click reads them: flags, then at most one with a value
+        names, has_value = [], False
+        for j, c in enumerate(arg[1:], start=1):
+            names.append("-" + c)
+            if "-" + c in takes_value:
+                has_value = j < len(arg) - 1  # -eA=1: the value is attached
+                break
+    for name in names:
+        if name not in ours:
+            raise CliError(f"no such option: {name} (the command's own options go after its first word, "
+                           "or after --)")
+    return int(names[-1] in takes_value and not has_value)
 
 
 def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, envs: dict[str, str] | None = None,

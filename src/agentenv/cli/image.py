@@ -11,7 +11,7 @@ import typer
 from agentenv.cli.client import client_for
 from agentenv.cli.context import CliError
 from agentenv.cli.output import (
-    OutputOption,
+    ObjectOutputOption,
     console,
     explicit_format,
     print_json,
@@ -33,7 +33,7 @@ def pull(
     password_stdin: Annotated[bool, typer.Option("--password-stdin", help="Read the registry password from stdin.")] = False,
     disk_mb: Annotated[int | None, typer.Option("--disk-mb", show_default=False,
                                                 help="Size of the template's disk in MiB (default 4096).")] = None,
-    output: OutputOption = None,
+    output: ObjectOutputOption = None,
 ) -> None:
     """Pull an image from any OCI registry and make it a template; `aenv start NAME` then runs it."""
     body: dict[str, Any] = {"image": image}

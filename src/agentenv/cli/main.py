@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
+from agentenv import __version__
 from agentenv.cli import (
     auth,
     bench,
@@ -65,6 +66,12 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"aenv {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def root(
     ctx: typer.Context,
@@ -77,8 +84,11 @@ def root(
     output: Annotated[OutputFormat | None, typer.Option("--output", "-o", show_default=False,
                                                         help="table or json; default: table on a "
                                                              "terminal, json when piped.")] = None,
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print aenv's version and exit.")] = False,
 ) -> None:
     ctx.obj = Globals(url=url, key=key, output=output.value if output else None)
+
 
 
 # Host

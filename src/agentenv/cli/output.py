@@ -35,6 +35,15 @@ OutputOption = Annotated[
 ]
 
 
+# Commands that make one thing (start -d, resume, snapshot, pull) print its id, which scripts
+# capture; the whole object only when asked for.
+ObjectOutputOption = Annotated[
+    OutputFormat | None,
+    typer.Option("--output", "-o", show_default=False,
+                 help="json: print the whole object; default: a short answer (the id)."),
+]
+
+
 def explicit_format(ctx: typer.Context, local: OutputFormat | None = None) -> str | None:
     """The format the user asked for (command option first, then the global one), or None."""
     chosen = local or globals_of(ctx).output

@@ -19,6 +19,7 @@ from agentenv.cli.client import ApiClient, client_for
 from agentenv.cli.context import CliError
 from agentenv.cli.output import (
     Column,
+    ObjectOutputOption,
     OutputOption,
     choose_format,
     console,
@@ -52,7 +53,7 @@ def start(
                                                   help="Environment variable for every command (repeatable).")] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Print the sandbox id and return.")] = False,
     keep: Annotated[bool, typer.Option("--keep", help="Do not kill the sandbox when the shell ends.")] = False,
-    output: OutputOption = None,
+    output: ObjectOutputOption = None,
 ) -> None:
     """Start a sandbox and open a shell in it (or just print its id with --detach).
 
@@ -206,10 +207,14 @@ def rm(
             rows = client.call("GET", "/sandboxes", params={"state": ALL_STATES})
             ids += [r["sandboxID"] for r in rows if r["sandboxID"] not in ids]
 
+        named = set(sandbox_ids or [])
+
         def kill(sid: str) -> str | None:
             try:
                 client.call("DELETE", f"/sandboxes/{sid}")
             except CliError as exc:
+                if exc.status == 404 and sid not in named:  # listed by --all, gone since
+                    return None
                 return str(exc)
             return None
 

@@ -15,6 +15,7 @@ from agentenv.cli.client import client_for
 from agentenv.cli.context import CliError
 from agentenv.cli.output import (
     Column,
+    ObjectOutputOption,
     OutputOption,
     choose_format,
     console,
@@ -53,7 +54,7 @@ def resume(
     reboot: Annotated[bool, typer.Option(
         "--reboot", help="Boot its disk instead of restoring its memory (what a --filesystem-only pause "
         "always does).")] = False,
-    output: OutputOption = None,
+    output: ObjectOutputOption = None,
 ) -> None:
     """Resume a paused sandbox where it left off; prints its id (the sandbox as JSON with -o json)."""
     body: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
@@ -83,8 +84,8 @@ FORK_COLUMNS = [
 def fork(
     ctx: typer.Context,
     sandbox_id: SandboxId,
-    count: Annotated[int, typer.Option("--count", "-n", min=1, max=20,
-                                       help="How many copies to start (1-20).")] = 1,
+    count: Annotated[int, typer.Option("--count", "-n", min=1,
+                                       help="How many copies to start (up to the server's AENV_MAX_FORK, 20 by default).")] = 1,
     timeout: Annotated[int | None, typer.Option("--timeout", help="Seconds until each copy is killed "
                                                 "(default: the parent's).", show_default=False)] = None,
     output: OutputOption = None,

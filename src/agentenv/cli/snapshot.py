@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 from agentenv.cli.client import client_for
 from agentenv.cli.output import (
     Column,
+    ObjectOutputOption,
     OutputOption,
     choose_format,
     console,
@@ -51,7 +52,7 @@ def create(
     filesystem_only: Annotated[bool, typer.Option(
         "--filesystem-only", help="Save only the disk (the guest flushes its files first); sandboxes "
         "started from it boot it.")] = False,
-    output: OutputOption = None,
+    output: ObjectOutputOption = None,
 ) -> None:
     """Save a running sandbox's state (it keeps running); prints the snapshot id."""
     body: dict[str, Any] = {} if name is None else {"name": name}
@@ -100,7 +101,7 @@ def ls(
     """List snapshots."""
     params = {k: v for k, v in (("sandboxID", sandbox), ("name", name)) if v}
     with client_for(ctx) as client:
-        rows = client.call("GET", "/snapshots", params=params)
+        rows = client.call_pages("/snapshots", params)
     render(choose_format(ctx, output), rows, SNAPSHOT_COLUMNS, empty="no snapshots")
 
 

@@ -32,7 +32,7 @@ app = typer.Typer(help="Templates sandboxes start from: list, build, remove (`ae
 
 TEMPLATE_COLUMNS = [
     Column("TEMPLATE", lambda t: t["templateID"], style="cyan"),
-    Column("BUILD", lambda t: t.get("buildID") if t.get("buildID") != t.get("templateID") else "built-in"),
+    Column("BUILD", lambda t: "built-in" if t.get("isDefault") else t.get("buildID")),
     Column("CPU", lambda t: t.get("cpuCount")),
     Column("MEMORY", lambda t: f"{t.get('memoryMB')} MB"),
     Column("DISK", lambda t: f"{t.get('diskSizeMB')} MB"),
@@ -130,6 +130,8 @@ def build(
         spec = parse(path.read_text())
     except BuildFileError as exc:
         raise CliError(f"{path}: {exc}") from None
+    except UnicodeDecodeError:
+        raise CliError(f"{path} is not a UTF-8 text file (a build file, e.g. aenv.Dockerfile, is)") from None
     template = name or re.sub(r"[^A-Za-z0-9_-]", "-", context.name).strip("-_") or "template"
     body = spec.body
     if no_cache:

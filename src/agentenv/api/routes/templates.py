@@ -116,7 +116,8 @@ def _catalog_info(orch: Orchestrator, name: str) -> TemplateInfo:
     # A UUID, as E2B's build ids are (the SDK parses them): one per build of the template.
     build_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"agentenv:template:{t.name}:{created}"))
     return TemplateInfo(templateID=t.name, buildID=build_id, aliases=[t.name], names=[t.name], cpuCount=t.vcpus,
-                        memoryMB=t.memory_mb, diskSizeMB=t.disk_mb, createdAt=at, updatedAt=at)
+                        memoryMB=t.memory_mb, diskSizeMB=t.disk_mb, createdAt=at, updatedAt=at,
+                        isDefault=t.image is None)
 
 
 def _built_info(t: TemplateEntry) -> TemplateInfo:
