@@ -492,3 +492,13 @@ def test_snapshot_ls_follows_the_pages(aenv, stub):
 def test_version(aenv):
     res = aenv("--version")
     assert res.exit_code == 0 and res.stdout.startswith("aenv ")
+
+
+def test_template_build_with_a_missing_copy_source_reserves_nothing(aenv, stub, tmp_path):
+    (tmp_path / "aenv.Dockerfile").write_text("FROM base\nCOPY nothere /app/\n")
+    res = aenv("--url", stub.url, "template", "build", str(tmp_path), "--name", "t")
+    assert res.exit_code == 1 and res.stderr.startswith("error:") and "nothere" in res.stderr, res.output
+    assert stub.requests == [], "no build was reserved on the server"
+    (tmp_path / "aenv.Dockerfile").write_bytes(b"FROM base\nRUN echo \xff\n")
+    res = aenv("--url", stub.url, "template", "build", str(tmp_path), "--name", "t")
+    assert res.exit_code == 1 and "not a UTF-8 text file" in res.stderr, res.output

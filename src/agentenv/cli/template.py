@@ -138,6 +138,13 @@ def build(
         body["force"] = True
     if ready_timeout is not None:
         body["readyTimeout"] = ready_timeout
+    # The COPY sources are read first: a missing one fails before the server reserves a build.
+    hashes = []
+    for c in spec.copies:
+        try:
+            hashes.append(files_hash(context, c.sources[0], body["steps"][c.step]["args"][1]))
+        except BuildFileError as exc:
+            raise CliError(str(exc)) from None
     show = _printer()
     t0 = time.monotonic()
     with client_for(ctx, timeout=120) as client:
@@ -148,13 +155,8 @@ def build(
             req["memoryMB"] = memory
         made = client.call("POST", "/v3/templates", json=req)
         tid, bid = made["templateID"], made["buildID"]
-        for c in spec.copies:
-            step = body["steps"][c.step]
-            try:
-                h = files_hash(context, c.sources[0], step["args"][1])
-            except BuildFileError as exc:
-                raise CliError(str(exc)) from None
-            step["filesHash"] = h
+        for c, h in zip(spec.copies, hashes, strict=True):
+            body["steps"][c.step]["filesHash"] = h
             link = client.call("GET", f"/templates/{tid}/files/{h}")
             if not link.get("present"):
                 with tempfile.TemporaryFile() as data:
