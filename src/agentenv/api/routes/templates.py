@@ -173,9 +173,10 @@ async def remove_tags(body: DeleteTagsRequest, request: Request) -> Response:
 @router.get("/templates/aliases/{alias}")
 async def template_alias(alias: str, request: Request) -> JSONResponse:
     """``Template.exists(name)``: 200 if a template has this name or alias (also while its first
-    build runs: the name is taken), else 404."""
+    build is pending or runs: the name is taken), else 404."""
     orch = orch_of(request)
-    if orch.builds.exists(alias) or orch.builds.builds_of(alias):  # built, or its first build under way
+    pending = any(b.status in ("waiting", "building") for b in orch.builds.builds_of(alias))
+    if orch.builds.exists(alias) or pending:  # built, or its first build under way (a failed one frees it)
         return JSONResponse({"templateID": alias, "public": True})
     t = orch.catalog.get(alias)  # TemplateNotFound → 404
     return JSONResponse({"templateID": t.name, "public": True})
