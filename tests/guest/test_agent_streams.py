@@ -299,8 +299,10 @@ async def test_watch_dir_through_the_client(client: EnvdClient, tmp_path: Path) 
         await task
     names = [(e["name"], e["type"]) for e in seen[1:]]
     assert names[0] == ("d", "EVENT_TYPE_CREATE")
-    assert [n for n in names if n[0] == "d/x.txt"] == [("d/x.txt", "EVENT_TYPE_CREATE"), ("d/x.txt", "EVENT_TYPE_CHMOD"),
-                                                       ("d/x.txt", "EVENT_TYPE_WRITE")]
+    # (what happens in a new directory before its watch is placed is reported as a CREATE: see
+    # test_polling_watcher_lifecycle)
+    create, chmod, write = "EVENT_TYPE_CREATE", "EVENT_TYPE_CHMOD", "EVENT_TYPE_WRITE"
+    assert [n[1] for n in names if n[0] == "d/x.txt"] in ([create, chmod, write], [create, write], [create]), names
 
 
 # ---------------------------------------------------------------------------------------------
