@@ -25,6 +25,7 @@
         └── StorageError          disk full, missing or corrupt files
             ├── DiskFull          507: no space left
             └── SnapshotUnusable  422: a snapshot's layer is missing or fails its checksum
+                └── ManifestDamaged   its manifest does not parse (it can only be deleted)
 
 Each error carries a message that says what to fix. The HTTP status for each class is
 mapped once, in ``agentenv.api.errors``.
@@ -188,3 +189,9 @@ class SnapshotUnusable(StorageError):
     its base no longer exists). It is refused, never restored into a half-right sandbox."""
 
     code = "snapshot_unusable"
+
+
+class ManifestDamaged(SnapshotUnusable):
+    """A snapshot's manifest was read but does not parse (cut short by a host crash, or
+    damaged): unlike a read that failed for a passing reason (EIO, EMFILE), it will not get
+    better, and deleting it by id is safe."""

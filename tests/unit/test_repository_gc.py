@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from agentenv.errors import ManifestDamaged, SnapshotNotFound, SnapshotUnusable
 from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.sandbox import LiveSandbox
 from agentenv.orchestrator.service import Orchestrator
@@ -215,7 +216,7 @@ def test_an_unreadable_manifest_deleted_by_this_node_no_longer_stops_the_gc(tmp_
     assert repo.gc() == []
 
 
-def test_only_a_manifest_whose_content_does_not_parse_counts_as_damaged(tmp_path: Path) -> None:
+def test_only_a_manifest_whose_content_does_not_parse_is_damaged(tmp_path: Path) -> None:
     """What DELETE /snapshots/{id} may remove without reading it: a manifest cut short or not
     JSON, not one that merely could not be read this time, nor a good one."""
     repo = SnapshotRepository(tmp_path / "repo")
@@ -224,5 +225,15 @@ def test_only_a_manifest_whose_content_does_not_parse_counts_as_damaged(tmp_path
     (repo.manifests / "binary.json").write_bytes(b"\xff\xfe\x00")
     (repo.manifests / "alien.json").write_text("[1, 2]")
     (repo.manifests / "unreadable.json").mkdir()  # a read that fails (EISDIR here; EIO, EMFILE elsewhere)
-    assert [repo.damaged(i) for i in ("good", "cut", "binary", "alien", "missing", "unreadable", "../x")] == \
+
+    def damaged(cp_id: str) -> bool:
+        try:
+            repo.get(cp_id)
+        except ManifestDamaged:
+            return True
+        except (SnapshotNotFound, SnapshotUnusable):
+            return False
+        return False
+
+    assert [damaged(i) for i in ("good", "cut", "binary", "alien", "missing", "unreadable", "../x")] == \
         [False, True, True, True, False, False, False]

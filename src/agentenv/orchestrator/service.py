@@ -21,6 +21,7 @@ from agentenv.errors import (
     CapacityExhausted,
     GuestError,
     InvalidRequest,
+    ManifestDamaged,
     NetworkError,
     PlatformError,
     SandboxNotFound,
@@ -651,11 +652,10 @@ class Orchestrator:
     async def delete_snapshot(self, id_or_name: str) -> None:
         try:
             cp = self.repo.get(id_or_name)
-        except SnapshotUnusable:
+        except ManifestDamaged:
             # A manifest that does not parse (cut by a host crash, or damaged) stops every gc:
-            # deleting it by id must work, unless something of this node still holds it.
-            if not await asyncio.to_thread(self.repo.damaged, id_or_name):
-                raise  # a read that failed for a passing reason: nothing is deleted
+            # deleting it by id must work, unless something of this node still holds it. (A
+            # read that failed for a passing reason is a SnapshotUnusable: nothing is deleted.)
             if holder := next((sid for sid, live in self._live.items()
                                if live.record.paused is not None and live.record.paused.id == id_or_name), None):
                 raise SnapshotUnusable(f"snapshot {id_or_name}: its manifest is unreadable and it is the saved "

@@ -36,7 +36,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from agentenv.errors import SnapshotNotFound, SnapshotUnusable, StorageError
+from agentenv.errors import (
+    ManifestDamaged,
+    SnapshotNotFound,
+    SnapshotUnusable,
+    StorageError,
+)
 from agentenv.storage.memory_layers import digest_matches, fsync_path
 
 log = logging.getLogger(__name__)
@@ -244,29 +249,18 @@ class SnapshotRepository:
         p = self.manifests / f"{id_or_name}.json"
         if p.exists():
             try:
-                return Checkpoint.from_json(json.loads(p.read_text()))
-            except (OSError, ValueError, TypeError, KeyError) as exc:
-                raise SnapshotUnusable(f"snapshot {id_or_name}: unreadable manifest ({exc}); deleting the "
-                                       f"snapshot by its id removes it") from exc
+                data = p.read_bytes()
+            except OSError as exc:
+                raise SnapshotUnusable(f"snapshot {id_or_name}: unreadable manifest ({exc})") from exc
+            try:
+                return Checkpoint.from_json(json.loads(data))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ManifestDamaged(f"snapshot {id_or_name}: unreadable manifest ({exc}); deleting the "
+                                      f"snapshot by its id removes it") from exc
         cp = self._named().get(id_or_name)
         if cp is None:
             raise SnapshotNotFound(id_or_name)
         return cp
-
-    def damaged(self, cp_id: str) -> bool:
-        """Whether manifest ``cp_id`` exists and its content does not parse (cut short by a host
-        crash, or damaged), as opposed to a read that failed for a passing reason (EMFILE, EIO)."""
-        if not NAME_RE.fullmatch(cp_id):
-            return False
-        try:
-            data = (self.manifests / f"{cp_id}.json").read_bytes()
-        except OSError:
-            return False
-        try:
-            Checkpoint.from_json(json.loads(data))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return True
-        return False
 
     def _mtime(self) -> int:
         return self.manifests.stat().st_mtime_ns
