@@ -191,16 +191,16 @@ async def get_template(template_id: str, request: Request) -> TemplateWithBuilds
         builds = [_build_info(b, info) for b in records]
     else:  # a built-in template: the one build it is
         builds = [TemplateBuild(buildID=info.buildID, status="ready", createdAt=info.createdAt,
-                                    updatedAt=info.updatedAt, finishedAt=info.updatedAt, cpuCount=info.cpuCount,
-                                    memoryMB=info.memoryMB, diskSizeMB=info.diskSizeMB)]
+                                updatedAt=info.updatedAt, finishedAt=info.updatedAt, cpuCount=info.cpuCount,
+                                memoryMB=info.memoryMB, diskSizeMB=info.diskSizeMB)]
     return TemplateWithBuilds(**info.model_dump(), builds=builds)
 
 
 def _build_info(b: BuildRecord, info: TemplateInfo) -> TemplateBuild:
     finished = rfc3339(b.finished_at) if b.finished_at else None
     return TemplateBuild(buildID=b.build_id, status=b.status, createdAt=rfc3339(b.created_at),
-                             updatedAt=finished or rfc3339(b.created_at), finishedAt=finished,
-                             cpuCount=b.vcpus or info.cpuCount, memoryMB=b.memory_mb or info.memoryMB)
+                         updatedAt=finished or rfc3339(b.created_at), finishedAt=finished,
+                         cpuCount=b.vcpus or info.cpuCount, memoryMB=b.memory_mb or info.memoryMB)
 
 
 @router.delete("/templates/{template_id}", status_code=204, response_class=Response)
