@@ -61,6 +61,7 @@ class Settings:
     pause_on_stop: bool = False  # SIGTERM pauses running sandboxes instead of leaving them running
     pause_linger_s: float = 60.0  # a paused sandbox's stopped VM is kept this long (orchestrator/parking.py)
     repository_dir: Path | None = None  # snapshot repository (posix_fs); default data_dir/repository
+    spare_layers_mb: int = 512  # freed memory layers kept for captures to write over (storage/spares.py)
     api_key: str | None = None  # overrides the generated key file
     faults: frozenset[str] = frozenset()  # injected fault points, for tests only (AENV_FAULTS)
     # Sandbox host names are {port}-{sandboxID}.{domain} (E2B's scheme): returned to SDKs as
@@ -101,6 +102,7 @@ class Settings:
             pause_on_stop=_env("AENV_PAUSE_ON_STOP", "0") in ("1", "true", "on"),
             pause_linger_s=float(_env("AENV_PAUSE_LINGER_S", str(d.pause_linger_s))),
             repository_dir=Path(os.environ["AENV_REPOSITORY_DIR"]) if "AENV_REPOSITORY_DIR" in os.environ else None,
+            spare_layers_mb=int(_env("AENV_SPARE_LAYERS_MB", str(d.spare_layers_mb))),
             boot_timeout_s=float(_env("AENV_BOOT_TIMEOUT", str(d.boot_timeout_s))),
             restore_timeout_s=float(_env("AENV_RESTORE_TIMEOUT", str(d.restore_timeout_s))),
             tcg_tb_size_mb=int(_env("AENV_TCG_TB_MB", str(d.tcg_tb_size_mb))),

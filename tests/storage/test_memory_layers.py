@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.storage import memory_layers as ml
+from agentenv.storage.spares import SparePool
 
 SIZE = 64 << 20
 CHILD = r"""
@@ -176,6 +177,35 @@ def test_an_uncached_capture_writes_the_same_layer_and_keeps_it_out_of_memory(me
     try:
         assert ml.restore(g2.proc.pid, mem, [direct.path], [direct.digest]) == 2051
         assert (g2.read(99), g2.read(100), g2.read(2147), g2.read(2148), g2.read(9002)) == (7, 4, 4, 0, 5)
+    finally:
+        g2.close()
+
+
+def test_a_capture_over_a_spare_file_writes_the_same_layer(mem: Path, tmp_path: Path) -> None:
+    """Written over a freed layer in place (storage/spares.py), larger than the new layer and
+    full of other bytes, both ways of writing: the file ends as the layer a new file gets."""
+    spares = SparePool(tmp_path / "spare", 64 << 20)
+    g = Guest(mem)
+    try:
+        g.write(100, 512, 4)  # 2 MiB
+        g.write(9000, 3, 5)
+        fresh = ml.capture(g.proc.pid, mem, tmp_path / "fresh")
+        for uncached in (False, True):
+            old = tmp_path / f"old-{uncached}"
+            old.write_bytes(os.urandom(6 << 20))
+            inode = old.stat().st_ino
+            spares.offer(old)
+            out = tmp_path / f"over-{uncached}"
+            over = ml.capture(g.proc.pid, mem, out, uncached=uncached, spares=spares)
+            assert out.stat().st_ino == inode and spares.total == 0, "written over the spare"
+            assert over.digest == fresh.digest and over.size == out.stat().st_size == fresh.size
+            assert out.read_bytes() == fresh.path.read_bytes()
+    finally:
+        g.close()
+    g2 = Guest(mem)
+    try:
+        assert ml.restore(g2.proc.pid, mem, [out], [over.digest]) == 515
+        assert (g2.read(99), g2.read(100), g2.read(611), g2.read(612), g2.read(9002)) == (7, 4, 4, 0, 5)
     finally:
         g2.close()
 

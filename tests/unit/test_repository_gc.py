@@ -18,7 +18,12 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from agentenv.errors import ManifestDamaged, SnapshotNotFound, SnapshotUnusable
+from agentenv.errors import (
+    DiskFull,
+    ManifestDamaged,
+    SnapshotNotFound,
+    SnapshotUnusable,
+)
 from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.sandbox import LiveSandbox
 from agentenv.orchestrator.service import Orchestrator
@@ -237,3 +242,29 @@ def test_only_a_manifest_whose_content_does_not_parse_is_damaged(tmp_path: Path)
 
     assert [damaged(i) for i in ("good", "cut", "binary", "alien", "missing", "unreadable", "../x")] == \
         [False, True, True, True, False, False, False]
+
+
+def test_freed_memory_layers_become_spare_files_whose_space_a_full_disk_gets_back(tmp_path: Path) -> None:
+    """The gc keeps unreferenced memory layers as spares (storage/spares.py), not other layers;
+    a repository short of space gives the spares' space back before it refuses a capture."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)], check=True)
+    try:
+        repo = SnapshotRepository(mnt / "repo", spare_bytes=8 << 20)
+        kept = _layer(repo, "mem-kept")
+        repo.put(_checkpoint("c1", "snapshot", memory=(kept,)))
+        _layer(repo, "mem-freed", b"f" * (6 << 20))
+        _layer(repo, "dev-freed")
+        assert sorted(repo.gc()) == ["dev-freed", "mem-freed"]
+        assert sorted(p.name for p in repo.layers.iterdir()) == ["mem-kept"]
+        assert repo.spares.total == 6 << 20
+        filler = mnt / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)  # to ENOSPC
+        repo.ensure_room()  # passes: the spare's 6 MiB were given back
+        assert repo.spares.total == 0 and list((mnt / "repo" / "spare").iterdir()) == []
+        subprocess.run(["dd", "if=/dev/zero", f"of={mnt / 'filler2'}", "bs=64k"], capture_output=True)
+        with pytest.raises(DiskFull):
+            repo.ensure_room()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

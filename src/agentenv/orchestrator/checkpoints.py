@@ -42,7 +42,6 @@ from agentenv.storage import (
     new_checkpoint_id,
 )
 from agentenv.storage import memory_layers as ml
-from agentenv.storage.repository import check_writable
 from agentenv.vmm import AccelInfo, Machine, MachineSpec
 from agentenv.vmm.spec import spec_to_json
 
@@ -81,7 +80,7 @@ class Checkpointer:
         sandbox writes to from now on (a new one if the disk was sealed). ``memory=False``: a
         filesystem-only checkpoint (the caller had the guest flush its filesystems first).
         ``uncached``: the memory layer is not read soon (``memory_layers.capture``)."""
-        await asyncio.to_thread(check_writable, self.repo.root)
+        await asyncio.to_thread(self.repo.ensure_room)
         await machine.wait_jobs()  # a disk being streamed is not sealed
         env, user, workdir = self._guest_defaults(rec)
         undo = Cleanup(f"checkpoint of {rec.id}")
@@ -183,7 +182,7 @@ class Checkpointer:
         mem_tmp = self.repo.staging_path("mem")
         undo.add("mem", lambda: asyncio.to_thread(mem_tmp.unlink, True))
         info = await asyncio.to_thread(ml.capture, machine.pid, machine.spec.mem_path, mem_tmp, chain,
-                                       uncached=uncached)
+                                       uncached=uncached, spares=self.repo.spares)
         dev_tmp = self.repo.staging_path("dev")
         undo.add("dev", lambda: asyncio.to_thread(dev_tmp.unlink, True))
         await machine.save_device_state(dev_tmp)

@@ -59,6 +59,7 @@ from agentenv.storage import (
     backing_chain,
     remove_tree,
 )
+from agentenv.storage import memory_layers as ml
 from agentenv.vmm import AccelInfo, detect_accel, ksm
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class Orchestrator:
                              # parked VMs go first (orchestrator/parking.py)
                              must_shrink=lambda: below_reserve(settings.mem_reserve_mb) and not parking.parked(self))
         self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
-        self.repo = SnapshotRepository(settings.repository)
+        self.repo = SnapshotRepository(settings.repository, spare_bytes=settings.spare_layers_mb << 20)
         self.checkpoints = Checkpointer(
             self.repo, catalog=self.catalog, sock_dir=settings.sock_dir, accel=self.accel, tb_size_mb=settings.tcg_tb_size_mb,
             restore_timeout_s=settings.restore_timeout_s, max_memory_layers=settings.max_memory_layers,
@@ -142,6 +143,7 @@ class Orchestrator:
         if dns_addr is not None:
             await self._start_dns(dns_addr)
         await recover(self)
+        self._in_background(asyncio.to_thread(ml.warm_buffers), "making the memory copy buffers")
         await self.builds.start()
         self.pool.start()
         self._tasks.append(asyncio.create_task(self._prepare_templates(), name="prepare-templates"))

@@ -8,6 +8,7 @@ backend will implement later::
     <root>/layers/disk-<id>.qcow2 sealed disk layer; its qcow2 header names its parent layer
     <root>/manifests/<id>.json    one per checkpoint, written atomically (temp + fsync + rename)
     <root>/staging/               files being written; removed by recovery and GC
+    <root>/spare/                 freed memory layers, to be written over (storage/spares.py)
 
 Nothing is ever modified in place. A layer is referenced by manifests and by the sandboxes
 running on it (their records, passed to ``gc`` as pins); ``gc`` deletes a layer only when
@@ -37,12 +38,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from agentenv.errors import (
+    DiskFull,
     ManifestDamaged,
     SnapshotNotFound,
     SnapshotUnusable,
     StorageError,
 )
 from agentenv.storage.memory_layers import digest_matches, fsync_path
+from agentenv.storage.spares import SparePool
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +134,14 @@ class SnapshotRepository:
     writers with the garbage collector (a layer imported for a manifest not yet written must
     not be collected)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, spare_bytes: int = 0) -> None:
         self.root = root
         self.layers = root / "layers"
         self.manifests = root / "manifests"
         self.staging = root / "staging"
         for d in (self.layers, self.manifests, self.staging):
             d.mkdir(parents=True, exist_ok=True)
+        self.spares = SparePool(root / "spare", spare_bytes)
         self.lock = asyncio.Lock()
         # The manifests as parsed, for lookups and listings that a node with thousands of them
         # cannot afford to re-read on the event loop (see _index).
@@ -173,6 +177,15 @@ class SnapshotRepository:
                 break
             n += 1
         return LayerRef(dest.name, size, digest)
+
+    def ensure_room(self) -> None:
+        """``check_writable``, after giving back the spare files' space if that is what it lacks."""
+        try:
+            check_writable(self.root)
+        except DiskFull:
+            if not self.spares.clear():
+                raise
+            check_writable(self.root)
 
     def link_disk(self, overlay: Path) -> LayerRef:
         """Seal a stopped sandbox's overlay into the repository (a hard link: the running
@@ -369,7 +382,10 @@ class SnapshotRepository:
         removed = []
         for p in self.layers.iterdir():
             if p.name not in keep:
-                p.unlink(missing_ok=True)
+                if p.name.startswith("mem-"):
+                    self.spares.offer(p)
+                else:
+                    p.unlink(missing_ok=True)
                 removed.append(p.name)
         now = time.time()
         for p in self.staging.iterdir():
@@ -395,6 +411,4 @@ def check_writable(path: Path) -> None:
     except OSError as exc:
         raise StorageError(f"snapshot repository {path} is not accessible: {exc}") from exc
     if st.f_bavail * st.f_frsize < 1 << 20:
-        from agentenv.errors import DiskFull
-
         raise DiskFull(f"no space left on {path} for snapshot layers; free disk space")
