@@ -210,6 +210,25 @@ def test_a_capture_over_a_spare_file_writes_the_same_layer(mem: Path, tmp_path: 
         g2.close()
 
 
+def test_a_capture_with_nothing_changed_since_its_chain_is_a_layer_that_restores(mem: Path, tmp_path: Path) -> None:
+    """It was a 40-byte file whose header said 4096, refused as truncated (the first page is
+    now written whole)."""
+    first = capture_of(mem, tmp_path / "l1", (20, 4, 1))
+    g = Guest(mem)
+    try:
+        ml.restore(g.proc.pid, mem, [first.path])
+        empty = ml.capture(g.proc.pid, mem, tmp_path / "l2", chain=[first.path])
+    finally:
+        g.close()
+    assert empty.pages == 0 and empty.path.stat().st_size == empty.size
+    g2 = Guest(mem)
+    try:
+        ml.restore(g2.proc.pid, mem, [first.path, empty.path], [first.digest, empty.digest])
+        assert (g2.read(19), g2.read(20), g2.read(23), g2.read(24)) == (7, 1, 1, 7)
+    finally:
+        g2.close()
+
+
 def test_a_corrupt_layer_is_caught_while_it_is_restored(mem: Path, tmp_path: Path) -> None:
     layer = capture_of(mem, tmp_path / "l1", (20, 4, 1))
     data = bytearray(layer.path.read_bytes())

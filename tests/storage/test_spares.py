@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from agentenv.storage.spares import SparePool
+from agentenv.storage.spares import SparePool, _local
 
 
 def layer(path: Path, size: int) -> Path:
@@ -73,3 +75,35 @@ def test_the_pool_holds_at_most_its_size_and_gives_its_space_back(tmp_path: Path
     off = SparePool(tmp_path / "off", 0)
     off.offer(layer(tmp_path / "d", 1 << 20))
     assert off.total == 0 and not (tmp_path / "d").exists()
+
+
+def test_a_file_with_another_name_is_not_kept(tmp_path: Path) -> None:
+    pool = SparePool(tmp_path / "spare", 16 << 20)
+    src = layer(tmp_path / "a", 1 << 20)
+    os.link(src, tmp_path / "other-name")  # opened later through this name, it would change under it
+    pool.offer(src)
+    assert pool.total == 0 and not src.exists()
+    assert (tmp_path / "other-name").read_bytes()[:1] != b""
+
+
+def test_an_open_while_the_lease_is_held_does_not_end_the_server(tmp_path: Path) -> None:
+    """The kernel tells a lease holder of every open with SIGIO, whose default action ends the
+    process: a pool turns it off (this test process would die here otherwise)."""
+    SparePool(tmp_path / "spare", 16 << 20)
+    assert signal.getsignal(signal.SIGIO) == signal.SIG_IGN
+    src = layer(tmp_path / "a", 4096)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        out = subprocess.run([sys.executable, "-c", f"import os\ntry:\n    os.open({str(src)!r}, os.O_RDONLY | "
+                              "os.O_NONBLOCK)\nexcept BlockingIOError:\n    print('lease held')"],
+                             capture_output=True, text=True, check=True).stdout
+        assert out == "lease held\n"
+        time.sleep(0.2)  # the signal has been delivered by now
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        os.close(fd)
+
+
+def test_spares_are_kept_only_on_a_local_file_system(tmp_path: Path) -> None:
+    assert _local(tmp_path) and not _local(Path("/proc/self"))

@@ -249,7 +249,7 @@ def test_freed_memory_layers_become_spare_files_whose_space_a_full_disk_gets_bac
     a repository short of space gives the spares' space back before it refuses a capture."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)], check=True)
     try:
         repo = SnapshotRepository(mnt / "repo", spare_bytes=8 << 20)
         kept = _layer(repo, "mem-kept")
@@ -266,5 +266,11 @@ def test_freed_memory_layers_become_spare_files_whose_space_a_full_disk_gets_bac
         subprocess.run(["dd", "if=/dev/zero", f"of={mnt / 'filler2'}", "bs=64k"], capture_output=True)
         with pytest.raises(DiskFull):
             repo.ensure_room()
+        # on a disk this short, a freed layer is not kept: deleting must free space
+        (mnt / "filler2").unlink()
+        _layer(repo, "mem-freed2", b"f" * (1 << 20))
+        assert repo.gc() == ["mem-freed2"] and repo.spares.total == 0
+        assert list((mnt / "repo" / "spare").iterdir()) == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+

@@ -303,24 +303,29 @@ def capture(pid: int, mem_path: Path, out: Path, chain: Sequence[Path] = (), *, 
     150 to 420 ms depending on how much recently freed memory the kernel has at hand; direct
     I/O is steady and leaves no copy in RAM. A restore then reads it from the disk.
 
-    ``spares``: the layer is written over a spare file when there is one (storage/spares.py);
-    a full disk also gives their space back, for the next try.
+    ``spares``: the layer is written over a spare file when there is one (storage/spares.py).
+    Not after a restore (with a ``chain``): every restored page is private then, and the few
+    that changed are no guide to the size. A full disk gets the spares' space back, and the
+    layer is written once more into it.
     """
     start, end = ram_mapping(pid, mem_path)
     runs = private_runs(pid, start, end)
-    if spares is not None:
+    if spares is not None and not chain:
         spares.take(out, PAGE + sum(c for _, c in runs) * PAGE + len(runs) * _RUN.size)
     layers = [LayerFile(p) for p in chain]
     index = _Chain(layers) if layers else None
     try:
-        return _write_layer(pid, start, end - start, runs, out, index, uncached)
-    except OSError as exc:
-        out.unlink(missing_ok=True)
-        if exc.errno == 28:
-            if spares is not None:
-                spares.clear()
-            raise DiskFull(f"no space left on {out.parent} for the memory layer; free disk space") from exc
-        raise StorageError(f"cannot write memory layer {out}: {exc}") from exc
+        for attempt in range(2):
+            try:
+                return _write_layer(pid, start, end - start, runs, out, index, uncached)
+            except OSError as exc:
+                out.unlink(missing_ok=True)
+                if exc.errno == errno.ENOSPC:
+                    if attempt == 0 and spares is not None and spares.clear():
+                        continue
+                    raise DiskFull(f"no space left on {out.parent} for the memory layer; free disk space") from exc
+                raise StorageError(f"cannot write memory layer {out}: {exc}") from exc
+        raise AssertionError("unreachable")
     finally:
         if index is not None:
             index.release()

@@ -10,7 +10,8 @@ backend will implement later::
     <root>/staging/               files being written; removed by recovery and GC
     <root>/spare/                 freed memory layers, to be written over (storage/spares.py)
 
-Nothing is ever modified in place. A layer is referenced by manifests and by the sandboxes
+Nothing in ``layers/`` is ever modified in place (a freed memory layer may be written over
+once it has left it for ``spare/``, storage/spares.py). A layer is referenced by manifests and by the sandboxes
 running on it (their records, passed to ``gc`` as pins); ``gc`` deletes a layer only when
 nothing references it, so deleting a snapshot or a sandbox never removes a layer another one
 uses. References are counted from the manifests themselves, not kept in a separate counter
