@@ -46,6 +46,8 @@ class Settings:
     default_timeout_s: int = 300
     max_timeout_s: int = 24 * 3600
     pool_size: int = 16  # restored, frozen sandboxes kept per hot template (a GRPO group's worth)
+    snapshot_pool_size: int = 2  # the same per snapshot sandboxes were started from (orchestrator/snapshot_shells.py)
+    snapshot_pool_idle_s: float = 300.0  # ... until nothing was started from it for this long
     slot_pool_size: int = 20  # network namespaces kept ready: a fork of max_fork children waits for none
     boot_timeout_s: float = 120.0  # cold boot until the agent answers (TCG is slow)
     restore_timeout_s: float = 20.0  # restore until the agent answers
@@ -94,6 +96,8 @@ class Settings:
             max_sandboxes=int(_env("AENV_MAX_SANDBOXES", str(d.max_sandboxes))),
             mem_reserve_mb=int(_env("AENV_MEM_RESERVE_MB", str(d.mem_reserve_mb))),
             pool_size=int(_env("AENV_POOL_SIZE", str(d.pool_size))),
+            snapshot_pool_size=int(_env("AENV_SNAPSHOT_POOL_SIZE", str(d.snapshot_pool_size))),
+            snapshot_pool_idle_s=float(_env("AENV_SNAPSHOT_POOL_IDLE_S", str(d.snapshot_pool_idle_s))),
             slot_pool_size=int(_env("AENV_SLOT_POOL_SIZE", str(d.slot_pool_size))),
             api_key=os.environ.get("AENV_API_KEY"),
             max_fork=int(_env("AENV_MAX_FORK", str(d.max_fork))),

@@ -274,3 +274,15 @@ def test_freed_memory_layers_become_spare_files_whose_space_a_full_disk_gets_bac
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
+
+def test_two_starts_from_one_checkpoint_each_hold_its_layers(tmp_path: Path) -> None:
+    """Creates from one snapshot at once pin the same Checkpoint object: the first to end must
+    not unpin it for the other (it removed every entry of it before)."""
+    orch = _orchestrator(tmp_path)
+    orch.pinning = types.MethodType(Orchestrator.pinning, orch)
+    cp = _checkpoint("c1", "snapshot", memory=(_layer(orch.repo, "mem-a"),))
+    with orch.pinning(cp):
+        with orch.pinning(cp):
+            assert "mem-a" in orch.pins()
+        assert "mem-a" in orch.pins(), "the other start still needs it"
+    assert "mem-a" not in orch.pins()

@@ -69,6 +69,9 @@ class LocalNode:
             "AENV_SLOT_CIDR": slot_cidr,
             "AENV_POOL_SIZE": "1",
             "AENV_SLOT_POOL_SIZE": "2",
+            # No primed shells of snapshots: a test starting from a snapshot must not leave VMs
+            # made in the background (tests/e2e/test_snapshot_shells.py tests them).
+            "AENV_SNAPSHOT_POOL_SIZE": "0",
             # A pause frees the VM at once, so resumes restore from the saved state. Parked
             # VMs (the default) are tested by tests/e2e/test_parked.py and the E2B SDK tests.
             "AENV_PAUSE_LINGER_S": "0",

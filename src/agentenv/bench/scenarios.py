@@ -289,6 +289,7 @@ SCENARIOS: dict[str, Scenario] = {
     "fork16_ms": bench_fork,
     "fork_child_pss_mb": bench_fork,
     "reset_ms": bench_fork,
+    "reset_cold_ms": bench_fork,
     **{f"migrate_{op}_{mib}mib_ms": bench_migrate_baseline for op in ("save", "load") for mib in (20, 200)},
     # issue #4: through the official E2B Python SDK (bench/e2b_sdk.py)
     "e2b_tti_ms": bench_e2b_tti,
@@ -333,6 +334,7 @@ def run_bench(only: set[str] | None, runs: int, cache: Path = CACHE, accel: str 
             defaults = Settings()  # the server as it runs by default (tests use smaller pools)
             node = LocalNode(tmp / "node", BENCH_CIDR, cache, AENV_POOL_SIZE=str(defaults.pool_size),
                              AENV_SLOT_POOL_SIZE=str(defaults.slot_pool_size), AENV_ACCEL=accel,
+                             AENV_SNAPSHOT_POOL_SIZE=str(defaults.snapshot_pool_size),
                              AENV_MAX_SANDBOXES="64", AENV_DOMAIN=DOMAIN, AENV_PAUSE_LINGER_S=str(PAUSE_LINGER_S),
                              AENV_INSECURE_REGISTRIES=registry.host if registry else "")
             node.start()

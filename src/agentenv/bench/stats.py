@@ -23,11 +23,12 @@ def summarize(samples: list[float]) -> dict[str, float | int]:
 
 
 def wait_pool(node: LocalNode, timeout: float = 60) -> None:
-    """Let the node's warm pool refill, so that a measurement does not share the CPU with
-    restores running in the background."""
+    """Let the node's warm pool (and the shells of hot snapshots) refill, so that a measurement
+    does not share the CPU with restores running in the background."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         d = httpx.get(node.url + "/health/details").json()
-        if d.get("poolReady", 0) >= d.get("poolSize", 0):
+        if (d.get("poolReady", 0) >= d.get("poolSize", 0)
+                and d.get("snapshotShellsReady", 0) >= d.get("snapshotShellsWanted", 0)):
             return
         time.sleep(0.05)

@@ -46,6 +46,7 @@ from agentenv.vmm import Machine
 
 if TYPE_CHECKING:
     from agentenv.orchestrator.service import Orchestrator
+    from agentenv.orchestrator.snapshot_shells import SnapshotShell
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,14 @@ async def _new_sandbox(orch: Orchestrator, cp: Checkpoint, *, template: str, env
     except BaseException:
         await remove_tree(run_dir)
         raise
+    return await _register(orch, cp, started, sandbox_id, token, run_dir, template=template, env_vars=env_vars,
+                           metadata=metadata, timeout_s=timeout_s, options=options)
+
+
+async def _register(orch: Orchestrator, cp: Checkpoint, started: Started, sandbox_id: str, token: str,
+                    run_dir: Path, *, template: str, env_vars: dict[str, str], metadata: dict[str, str],
+                    timeout_s: int, options: dict[str, Any]) -> SandboxRecord:
+    """Record a sandbox whose guest answers and watch it; one that cannot be recorded is destroyed."""
     now = time.time()
     rec = SandboxRecord(
         id=sandbox_id, template=template, state=State.RUNNING, vcpus=cp.vcpus, memory_mb=cp.memory_mb,
@@ -228,9 +237,41 @@ async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s
         raise InvalidRequest(f"'{id_or_name}' is not a snapshot or a template")
     timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
     async with orch.admitted(starting=cp):
+        shell = orch.snapshot_shells.take(cp)
+        if shell is not None:
+            rec = await _from_shell(orch, cp, shell, env_vars=dict(env_vars or {}),
+                                    metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
+                                    options=options)
+            if rec is not None:
+                return rec
         return await _new_sandbox(orch, cp, template=cp.name or cp.id, env_vars=dict(env_vars or {}),
                                   metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
                                   options=options)
+
+
+async def _from_shell(orch: Orchestrator, cp: Checkpoint, shell: SnapshotShell, *, env_vars: dict[str, str],
+                      metadata: dict[str, str], timeout_s: int, options: dict[str, Any]) -> SandboxRecord | None:
+    """A sandbox from a primed shell of ``cp`` (orchestrator/snapshot_shells.py): its policy,
+    then ``cont`` and the clock and env vars. None (the shell destroyed) when its guest does
+    not answer: the caller starts one the usual way instead."""
+    started = shell.started
+    net = options.get("network") or {}
+    try:
+        if net.get("allowOut") or net.get("denyOut"):  # before the guest runs again
+            await set_egress(started.slot, net.get("allowOut", []), net.get("denyOut", []))
+        await started.machine.qmp("cont")
+        await asyncio.wait_for(started.envd.resume(env_vars), orch.settings.restore_timeout_s)
+    except (EnvdError, VmmError, asyncio.TimeoutError) as exc:
+        log.warning("ready shell %s of snapshot %s did not come up (%r); starting a new one instead",
+                    shell.sandbox_id, cp.id, exc)
+        orch.snapshot_shells.discard(shell)
+        return None
+    except BaseException:
+        orch.snapshot_shells.discard(shell)
+        raise
+    return await _register(orch, cp, started, shell.sandbox_id, shell.access_token, shell.run_dir,
+                           template=cp.name or cp.id, env_vars=env_vars, metadata=metadata,
+                           timeout_s=timeout_s, options=options)
 
 
 async def flush_guest(envd: EnvdClient, sandbox_id: str) -> None:

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Collection, Coroutine
+from collections.abc import AsyncIterator, Collection, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.reaper import Reaper
 from agentenv.orchestrator.sandbox import LiveSandbox
 from agentenv.orchestrator.shells import Shell, make_shell
+from agentenv.orchestrator.snapshot_shells import SnapshotShells
 from agentenv.orchestrator.store import SandboxRecord, Store
 from agentenv.orchestrator.templates import SnapshotBuilder, Template, TemplateCatalog
 from agentenv.storage import (
@@ -104,6 +105,10 @@ class Orchestrator:
                              may_grow=lambda: memory_shortfall(settings.mem_reserve_mb, 2) is None,
                              # parked VMs go first (orchestrator/parking.py)
                              must_shrink=lambda: below_reserve(settings.mem_reserve_mb) and not parking.parked(self))
+        # Primed sandboxes of the snapshots sandboxes were recently started from (a GRPO reset)
+        self.snapshot_shells = SnapshotShells(
+            self, settings.snapshot_pool_size, settings.snapshot_pool_idle_s,
+            may_grow=lambda: memory_shortfall(settings.mem_reserve_mb, 2) is None)
         self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
         self.repo = SnapshotRepository(settings.repository, spare_bytes=settings.spare_layers_mb << 20)
         self.checkpoints = Checkpointer(
@@ -146,6 +151,7 @@ class Orchestrator:
         self._in_background(asyncio.to_thread(ml.warm_buffers), "making the memory copy buffers")
         await self.builds.start()
         self.pool.start()
+        self.snapshot_shells.start()
         self._tasks.append(asyncio.create_task(self._prepare_templates(), name="prepare-templates"))
         self._tasks.append(asyncio.create_task(self.reaper.run(), name="ttl-reaper"))
         self._tasks.append(asyncio.create_task(self._slot_keeper(), name="slot-keeper"))
@@ -183,6 +189,7 @@ class Orchestrator:
         if self.dns is not None:
             await self.dns.close()
         await self.pool.stop()
+        await self.snapshot_shells.stop()
         await self.slots.drain()
         for live in self._live.values():
             parking.evict(self, live, why="the server stops")  # its state is saved
@@ -279,7 +286,8 @@ class Orchestrator:
             if why is None:
                 return
             if not (await parking.evict_oldest(self, "memory for a new VM")
-                    or await self.pool.give_back(f"memory for a new VM ({why})")):
+                    or await self.pool.give_back(f"memory for a new VM ({why})")
+                    or await self.snapshot_shells.give_back()):
                 raise CapacityExhausted(f"{why}: kill or pause some sandboxes, or retry later", retry_after=5)
 
     @contextlib.asynccontextmanager
@@ -292,15 +300,28 @@ class Orchestrator:
         await self.admit(more, extra_mb)
         self._admitting += more
         self._admitting_mb += extra_mb
-        if starting is not None:  # (rebound, not changed in place: gc reads it from a thread)
-            self._starting = [*self._starting, starting]
         try:
-            yield
+            with self.pinning(starting):
+                yield
         finally:
             self._admitting -= more
             self._admitting_mb -= extra_mb
-            if starting is not None:
-                self._starting = [cp for cp in self._starting if cp is not starting]
+
+    @contextlib.contextmanager
+    def pinning(self, cp: Checkpoint | None) -> Iterator[None]:
+        """Keep ``cp``'s layers from the gc while a sandbox starts from it: its snapshot may be
+        deleted meanwhile. (Rebound, not changed in place: the gc reads it from a thread; one
+        entry per start, as several may start from the same checkpoint object at once.)"""
+        if cp is None:
+            yield
+            return
+        self._starting = [*self._starting, cp]
+        try:
+            yield
+        finally:
+            rest = list(self._starting)
+            del rest[next(i for i, c in enumerate(rest) if c is cp)]
+            self._starting = rest
 
     async def create(self, template: str, *, vcpus: int | None = None, memory_mb: int | None = None,
                      timeout_s: int | None = None, metadata: dict[str, str] | None = None,
@@ -672,6 +693,7 @@ class Orchestrator:
             return
         if cp.kind != "snapshot":
             raise SnapshotNotFound(id_or_name)
+        await self.snapshot_shells.forget(cp.id)
         await self.drop_checkpoint(cp.id)
         await self.gc()
 

@@ -33,6 +33,9 @@ async def health_details(request: Request) -> dict[str, object]:
         "maxSandboxes": orch.settings.max_sandboxes,
         "poolReady": orch.pool.fill_level()[0],
         "poolSize": orch.pool.fill_level()[1],
+        # primed sandboxes of hot snapshots (orchestrator/snapshot_shells.py)
+        "snapshotShellsReady": orch.snapshot_shells.fill_level()[0],
+        "snapshotShellsWanted": orch.snapshot_shells.fill_level()[1],
         "parkedVMs": orch.parked_vms(),  # paused sandboxes whose stopped VM is kept (AENV_PAUSE_LINGER_S)
         "templates": [t.name for t in orch.templates()],
     }

@@ -1,0 +1,196 @@
+"""Ready sandboxes for hot snapshots: the GRPO reset without a cold start.
+
+A trainer resets an episode by killing its sandbox and starting a new one from the same
+snapshot, again and again. Starting from a snapshot restores a new QEMU (the memory layers
+written into its RAM, the device state loaded) whose translation cache is empty: under TCG its
+guest agent first answers after about 300 ms. A create from a template takes a primed shell of
+the warm pool instead (pool.py, ~16 ms). This does the same for snapshots: once a sandbox has
+been started from a named snapshot, a few more are started from it ahead of time, each with its
+own id, token and fresh entropy, primed with the warm-up commands and frozen. A create from
+that snapshot takes one, continues it with the clock, the create's env vars and its network
+policy, and records it. A snapshot nobody started from for ``idle_s`` is cold again and its
+shells are destroyed; deleting the snapshot destroys them first.
+
+Shells have no record: after a server crash their run dirs have none, and the next start's
+recovery kills their QEMUs and removes the dirs, as it does for the warm pool's shells.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentenv.envd_client import EnvdError
+from agentenv.network import set_egress
+from agentenv.orchestrator import parking
+from agentenv.orchestrator.forking import Started, start_from_checkpoint
+from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
+from agentenv.storage import Checkpoint, remove_tree
+
+if TYPE_CHECKING:
+    from agentenv.orchestrator.service import Orchestrator
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 2.0
+
+
+@dataclass
+class SnapshotShell:
+    sandbox_id: str
+    access_token: str
+    run_dir: Path
+    started: Started
+
+
+class SnapshotShells:
+    def __init__(self, orch: Orchestrator, size: int, idle_s: float, may_grow: Callable[[], bool]) -> None:
+        self._orch = orch
+        self.size = size
+        self.idle_s = idle_s
+        self._may_grow = may_grow  # as the warm pool's: False while the host is short of memory
+        self._shells: dict[str, list[SnapshotShell]] = {}  # by checkpoint id
+        self._hot: dict[str, tuple[Checkpoint, float]] = {}  # checkpoint id → (it, last start from it)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._destroying: set[asyncio.Task[None]] = set()
+
+    def take(self, cp: Checkpoint) -> SnapshotShell | None:
+        """A ready sandbox started from ``cp``, or None. Marks ``cp`` hot (named snapshots only:
+        a template build's checkpoints are started from once)."""
+        if self.size <= 0 or cp.kind != "snapshot":
+            return None
+        self._hot[cp.id] = (cp, time.monotonic())
+        self._wake.set()
+        shells = self._shells.get(cp.id, [])
+        while shells:
+            shell = shells.pop()
+            if not shell.started.machine.exited:
+                return shell
+            self._destroy_later(shell)  # its QEMU died while it waited
+        return None
+
+    def discard(self, shell: SnapshotShell) -> None:
+        """A taken shell that could not be handed out."""
+        self._destroy_later(shell)
+
+    async def forget(self, cp_id: str) -> None:
+        """The snapshot is being deleted: keep no shells of it (a fill under way destroys what
+        it makes once it sees the snapshot is no longer hot)."""
+        self._hot.pop(cp_id, None)
+        for shell in self._shells.pop(cp_id, []):
+            await self._destroy(shell)
+
+    async def give_back(self) -> bool:
+        """Destroy one ready shell, for a sandbox someone asked for; False when there is none."""
+        fullest = max(self._shells.values(), key=len, default=[])
+        if not fullest:
+            return False
+        await self._destroy(fullest.pop())
+        log.warning("snapshot shells: gave back a ready shell for memory")
+        return True
+
+    def fill_level(self) -> tuple[int, int]:
+        """(shells ready, shells wanted) over every hot snapshot."""
+        return sum(len(self._shells.get(k, [])) for k in self._hot), self.size * len(self._hot)
+
+    def start(self) -> None:
+        if self.size > 0:
+            self._task = asyncio.create_task(self._keeper(), name="snapshot-shells")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for shells in self._shells.values():
+            for shell in shells:
+                await self._destroy(shell)
+        self._shells.clear()
+        self._hot.clear()
+        if self._destroying:
+            await asyncio.gather(*self._destroying, return_exceptions=True)
+
+    async def _keeper(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), CHECK_INTERVAL_S)
+            self._wake.clear()
+            try:
+                await self._cool()
+                for cp_id in list(self._hot):
+                    await self._fill(cp_id)
+            except Exception:  # noqa: BLE001 — background: the next pass tries again
+                log.exception("snapshot shells: keeping shells failed")
+                await asyncio.sleep(1.0)
+
+    async def _cool(self) -> None:
+        now = time.monotonic()
+        for cp_id, (_, used) in list(self._hot.items()):
+            if now - used >= self.idle_s:
+                log.info("snapshot %s is cold (nothing started from it for %.0f s): its shells go",
+                         cp_id, self.idle_s)
+                await self.forget(cp_id)
+            elif not self._orch.repo.exists(cp_id):  # deleted while a create marked it hot again
+                await self.forget(cp_id)
+
+    async def _fill(self, cp_id: str) -> None:
+        """Make shells for one hot snapshot, one at a time (each is a restore plus priming on
+        the node's CPUs, next to the running sandboxes)."""
+        while cp_id in self._hot and len(self._shells.setdefault(cp_id, [])) < self.size:
+            if not self._may_grow():
+                return
+            cp = self._hot[cp_id][0]
+            try:
+                shell = await self._make(cp)
+            except Exception as exc:  # noqa: BLE001 — e.g. the snapshot was deleted meanwhile
+                log.warning("snapshot shells: could not start one from %s: %s", cp_id,
+                            getattr(exc, "message", repr(exc)))
+                self._hot.pop(cp_id, None)  # marked hot again by the next start from it
+                return
+            shells = self._shells.get(cp_id)
+            if cp_id not in self._hot or shells is None:  # forgotten meanwhile (deleted, cold)
+                await self._destroy(shell)
+                return
+            shells.append(shell)
+
+    async def _make(self, cp: Checkpoint) -> SnapshotShell:
+        sandbox_id, token = new_sandbox_id(), new_access_token()
+        run_dir = self._orch.sandboxes_dir / sandbox_id
+        try:
+            with self._orch.pinning(cp):
+                # Nothing goes out while it primes: a create's policy is applied before it runs.
+                started = await start_from_checkpoint(
+                    self._orch, cp, sandbox_id=sandbox_id, access_token=token, template=cp.name or cp.id,
+                    env_vars={}, run_dir=run_dir, options={"network": {"denyOut": ["0.0.0.0/0"]}})
+        except BaseException:
+            await remove_tree(run_dir)
+            raise
+        shell = SnapshotShell(sandbox_id, token, run_dir, started)
+        try:
+            await started.envd.warm_up()
+            await started.machine.qmp("stop")
+            await set_egress(started.slot, [], [])  # frozen, it opens nothing (see shells.py)
+        except BaseException as exc:
+            await self._destroy(shell)
+            if isinstance(exc, EnvdError):
+                raise RuntimeError(f"priming failed: {exc.message}") from exc
+            raise
+        return shell
+
+    async def _destroy(self, shell: SnapshotShell) -> None:
+        try:
+            await parking.free(self._orch, shell.started.machine, shell.started.envd, shell.started.slot)
+        finally:
+            await remove_tree(shell.run_dir)
+
+    def _destroy_later(self, shell: SnapshotShell) -> None:
+        task = asyncio.get_running_loop().create_task(self._destroy(shell))
+        self._destroying.add(task)
+        task.add_done_callback(self._destroying.discard)

@@ -1,0 +1,127 @@
+"""Primed sandboxes of hot snapshots (orchestrator/snapshot_shells.py): the GRPO reset.
+
+Once a sandbox has been started from a named snapshot, the node starts a few more from it
+ahead of time; the next create from the snapshot takes one. These tests run a node of their
+own with such shells on (the other tests' nodes keep none)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ns_addr, run
+from tests.framework import host
+from tests.framework.net import node_cidr
+from tests.framework.server import ServerProcess
+
+IDLE_S = 20
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    s = ServerProcess(tmp_path_factory.mktemp("shells") / "data", node_cidr(44), AENV_POOL_SIZE="1",
+                      AENV_SNAPSHOT_POOL_SIZE="1", AENV_SNAPSHOT_POOL_IDLE_S=str(IDLE_S))
+    s.start()
+    yield s
+    s.kill_all()
+
+
+def details(node: ServerProcess) -> dict:
+    return httpx.get(node.url + "/health/details").json()
+
+
+def wait_shells(node: ServerProcess, ready: int, wanted: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        d = details(node)
+        if (d["snapshotShellsReady"], d["snapshotShellsWanted"]) == (ready, wanted):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"snapshot shells: {details(node)}, expected {ready} ready of {wanted}")
+
+
+def egress(ns: str) -> str:
+    return subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "chain", "ip", "aenv", "egress"],
+                          capture_output=True, text=True).stdout
+
+
+def test_a_reset_from_a_hot_snapshot_takes_a_primed_sandbox_of_its_own(node: ServerProcess) -> None:
+    with node.client() as api:
+        src = api.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+        run(api, src, "echo episode-start > /home/user/state.txt; head -c 1048576 /dev/urandom > /dev/shm/m")
+        md5 = run(api, src, "md5sum < /dev/shm/m")["stdout"]
+        snap = api.post(f"/sandboxes/{src}/snapshots", json={"name": "episode"}).json()["snapshotID"]
+        api.delete(f"/sandboxes/{src}")
+        wait_shells(node, 0, 0)  # nothing started from it yet: not hot
+        first = api.post("/sandboxes", json={"templateID": "episode"}).json()["sandboxID"]
+        wait_shells(node, 1, 1)
+        before = set(host.qemu_pids(str(node.data_dir)))
+        r = api.post("/sandboxes", json={"templateID": "episode", "envVars": {"EPISODE": "7"}, "timeout": 120,
+                                         "metadata": {"run": "r1"}, "network": {"denyOut": ["203.0.113.0/24"]}})
+        assert r.status_code == 201, r.text
+        second = r.json()["sandboxID"]
+        assert set(host.qemu_pids(second)) <= before, "not the primed sandbox that was ready"
+        info = api.get(f"/sandboxes/{second}").json()
+        assert info["metadata"] == {"run": "r1"} and info["templateID"] == "episode"
+        # the snapshot's state, the create's env vars and network policy, an identity of its own
+        out = run(api, second, "cat /home/user/state.txt; md5sum < /dev/shm/m; echo $EPISODE; "
+                               "echo $E2B_SANDBOX_ID; date +%s; head -c 16 /dev/urandom | od -An -tx1")["stdout"]
+        state_txt, m, episode, own_id, clock, noise = out.splitlines()
+        assert (state_txt, m + "\n", episode, own_id) == ("episode-start", md5, "7", second)
+        assert abs(int(clock) - time.time()) < 5, "the clock was set when it was handed out"
+        other = run(api, first, "head -c 16 /dev/urandom | od -An -tx1")["stdout"].strip()
+        assert noise.strip() != other
+        ns, _ = ns_addr(node, second)
+        assert "203.0.113.0/24" in egress(ns)
+        assert api.post(f"/sandboxes/{second}/exec", json={"cmd": "true"}).status_code == 200
+        wait_shells(node, 1, 1)  # made again in the background
+        # deleting the snapshot destroys its shell with it, and leaves its sandboxes running
+        shell_dirs = host.sandbox_dirs(node.data_dir) - {s["sandboxID"] for s in api.get("/sandboxes").json()}
+        assert shell_dirs, "the ready shell has a run dir"
+        assert api.delete(f"/snapshots/{snap}").status_code == 204
+        wait_shells(node, 0, 0)
+        left = host.sandbox_dirs(node.data_dir) - {s["sandboxID"] for s in api.get("/sandboxes").json()}
+        assert not (left & shell_dirs), "the shell of a deleted snapshot is gone"
+        assert all(host.qemu_gone(d) for d in shell_dirs)
+        assert run(api, second, "cat /home/user/state.txt")["stdout"] == "episode-start\n"
+        for sid in (first, second):
+            api.delete(f"/sandboxes/{sid}")
+
+
+def test_a_snapshot_nothing_starts_from_cools_and_its_shells_go(node: ServerProcess) -> None:
+    with node.client() as api:
+        src = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        snap = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
+        kid = api.post("/sandboxes", json={"templateID": snap}).json()["sandboxID"]
+        wait_shells(node, 1, 1)
+        shells = host.sandbox_dirs(node.data_dir) - {s["sandboxID"] for s in api.get("/sandboxes").json()}
+        wait_shells(node, 0, 0, timeout=IDLE_S + 30)
+        assert all(host.qemu_gone(d) for d in shells)
+        assert not (host.sandbox_dirs(node.data_dir) & shells)
+        for sid in (src, kid):
+            api.delete(f"/sandboxes/{sid}")
+        api.delete(f"/snapshots/{snap}")
+
+
+def test_shells_left_by_a_crashed_server_are_removed_at_its_next_start(node: ServerProcess) -> None:
+    """They have no record: the next start's recovery kills their QEMUs, as the warm pool's."""
+    with node.client() as api:
+        src = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        snap = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
+        kid = api.post("/sandboxes", json={"templateID": snap}).json()["sandboxID"]
+        wait_shells(node, 1, 1)
+        shells = host.sandbox_dirs(node.data_dir) - {s["sandboxID"] for s in api.get("/sandboxes").json()}
+    node.stop(9)
+    node.start()
+    with node.client() as api:
+        assert {s["sandboxID"] for s in api.get("/sandboxes").json()} >= {src, kid}
+        assert all(host.qemu_gone(d) for d in shells)
+        assert not (host.sandbox_dirs(node.data_dir) & shells)
+        assert run(api, kid, "echo ok")["stdout"] == "ok\n"
+        for sid in (src, kid):
+            api.delete(f"/sandboxes/{sid}")
+        api.delete(f"/snapshots/{snap}")
