@@ -49,6 +49,14 @@ class Pool:
         return True
 
 
+class SnapshotShells(Pool):
+    """Primed sandboxes of hot snapshots (orchestrator/snapshot_shells.py), given back after
+    the warm pool's."""
+
+    async def give_back(self) -> bool:  # type: ignore[override]
+        return await super().give_back("")
+
+
 class Slots:
     async def release(self, _slot: object) -> None:
         await asyncio.sleep(0.05)  # a namespace's teardown
@@ -60,10 +68,11 @@ def _record(i: int, state: State) -> SandboxRecord:
                          started_at=now, end_at=now + 600, access_token="t", run_dir="/nonexistent")
 
 
-def _orch(max_sandboxes: int, pool: Pool) -> types.SimpleNamespace:
+def _orch(max_sandboxes: int, pool: Pool, snapshot_shells: SnapshotShells | None = None) -> types.SimpleNamespace:
     orch = types.SimpleNamespace(settings=types.SimpleNamespace(mem_reserve_mb=RESERVE, max_sandboxes=max_sandboxes),
-                                 _live={}, _admitting=0, _admitting_mb=0, _starting=[], slots=Slots(), pool=pool)
-    for name in ("admit", "admitted", "check_count", "_active"):
+                                 _live={}, _admitting=0, _admitting_mb=0, _starting=[], slots=Slots(), pool=pool,
+                                 snapshot_shells=snapshot_shells or SnapshotShells(pool.host, shells=0))
+    for name in ("admit", "admitted", "check_count", "_active", "pinning"):
         setattr(orch, name, types.MethodType(getattr(Orchestrator, name), orch))
     return orch
 
@@ -78,6 +87,10 @@ def test_ready_pool_shells_are_given_back_for_a_create_instead_of_a_429(
     asyncio.run(orch.admit())
     assert pool.shells == 11
     pool.shells = 0
+    orch.snapshot_shells.shells = 1  # then a hot snapshot's primed sandbox
+    host.set(RESERVE + 40)
+    asyncio.run(orch.admit())
+    assert orch.snapshot_shells.shells == 0
     host.set(RESERVE + 40)
     with pytest.raises(CapacityExhausted):  # nothing left to give back: the 429 stands
         asyncio.run(orch.admit())
