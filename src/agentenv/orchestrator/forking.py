@@ -236,14 +236,16 @@ async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s
     if cp.kind not in ("snapshot", "template"):
         raise InvalidRequest(f"'{id_or_name}' is not a snapshot or a template")
     timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
-    async with orch.admitted(starting=cp):
-        shell = orch.snapshot_shells.take(cp)
-        if shell is not None:
+    orch.check_count()
+    shell = orch.snapshot_shells.take(cp)
+    if shell is not None:  # its VM holds its memory already: counted, not admitted by memory again
+        with orch.counting(), orch.pinning(cp):
             rec = await _from_shell(orch, cp, shell, env_vars=dict(env_vars or {}),
                                     metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
                                     options=options)
-            if rec is not None:
-                return rec
+        if rec is not None:
+            return rec
+    async with orch.admitted(starting=cp):
         return await _new_sandbox(orch, cp, template=cp.name or cp.id, env_vars=dict(env_vars or {}),
                                   metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
                                   options=options)

@@ -106,9 +106,7 @@ class Orchestrator:
                              # parked VMs go first (orchestrator/parking.py)
                              must_shrink=lambda: below_reserve(settings.mem_reserve_mb) and not parking.parked(self))
         # Primed sandboxes of the snapshots sandboxes were recently started from (a GRPO reset)
-        self.snapshot_shells = SnapshotShells(
-            self, settings.snapshot_pool_size, settings.snapshot_pool_idle_s,
-            may_grow=lambda: memory_shortfall(settings.mem_reserve_mb, 2) is None)
+        self.snapshot_shells = SnapshotShells(self, settings.snapshot_pool_size, settings.snapshot_pool_idle_s)
         self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
         self.repo = SnapshotRepository(settings.repository, spare_bytes=settings.spare_layers_mb << 20)
         self.checkpoints = Checkpointer(
@@ -298,14 +296,25 @@ class Orchestrator:
         ``starting``: the saved state they start from, kept from gc meanwhile (its snapshot
         may be deleted while they start). ``extra_mb``: see ``memory_shortfall``."""
         await self.admit(more, extra_mb)
+        with self.counting(more, extra_mb), self.pinning(starting):
+            yield
+
+    @contextlib.contextmanager
+    def counting(self, more: int = 1, extra_mb: int = 0) -> Iterator[None]:
+        """Count ``more`` VMs starting (and ``extra_mb`` of memory they are about to take)
+        until they are in ``_live`` or failed: admissions meanwhile see them."""
         self._admitting += more
         self._admitting_mb += extra_mb
         try:
-            with self.pinning(starting):
-                yield
+            yield
         finally:
             self._admitting -= more
             self._admitting_mb -= extra_mb
+
+    def memory_for(self, more: int = 1, extra_mb: int = 0) -> str | None:
+        """What the host lacks for ``more`` VMs beyond those admitted and starting (None: enough),
+        for background work that must not eat into the reserve (see ``memory_shortfall``)."""
+        return memory_shortfall(self.settings.mem_reserve_mb, more + self._admitting, extra_mb + self._admitting_mb)
 
     @contextlib.contextmanager
     def pinning(self, cp: Checkpoint | None) -> Iterator[None]:

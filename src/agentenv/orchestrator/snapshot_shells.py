@@ -1,15 +1,20 @@
 """Ready sandboxes for hot snapshots: the GRPO reset without a cold start.
 
 A trainer resets an episode by killing its sandbox and starting a new one from the same
-snapshot, again and again. Starting from a snapshot restores a new QEMU (the memory layers
+snapshot (``POST /sandboxes/{id}/snapshots``), again and again. Starting from a snapshot restores a new QEMU (the memory layers
 written into its RAM, the device state loaded) whose translation cache is empty: under TCG its
 guest agent first answers after about 300 ms. A create from a template takes a primed shell of
 the warm pool instead (pool.py, ~16 ms). This does the same for snapshots: once a sandbox has
-been started from a named snapshot, a few more are started from it ahead of time, each with its
+been started from a snapshot, a few more are started from it ahead of time, each with its
 own id, token and fresh entropy, primed with the warm-up commands and frozen. A create from
 that snapshot takes one, continues it with the clock, the create's env vars and its network
 policy, and records it. A snapshot nobody started from for ``idle_s`` is cold again and its
-shells are destroyed; deleting the snapshot destroys them first.
+shells are destroyed; deleting the snapshot destroys them first. At most ``MAX_HOT`` snapshots
+are hot at once (the least recently used goes). Shells take memory as running sandboxes do:
+one is made only while the host has room for it beyond the reserve (counted, while it is
+restored, at the size of the layers it writes into its RAM, as a resume is), and below the
+reserve they are destroyed. A snapshot whose shell could not be made (its priming failed, or
+took longer than the restore timeout) gets none for ``RETRY_AFTER_S``.
 
 Shells have no record: after a server crash their run dirs have none, and the next start's
 recovery kills their QEMUs and removes the dirs, as it does for the warm pool's shells.
@@ -21,14 +26,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentenv.envd_client import EnvdError
+from agentenv.errors import AgentenvError
 from agentenv.network import set_egress
 from agentenv.orchestrator import parking
+from agentenv.orchestrator.capacity import below_reserve
 from agentenv.orchestrator.forking import Started, start_from_checkpoint
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
 from agentenv.storage import Checkpoint, remove_tree
@@ -39,6 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 2.0
+MAX_HOT = 8  # snapshots with shells at once
+RETRY_AFTER_S = 60.0  # after a shell of a snapshot could not be made
+MAKE_MARGIN_S = 30.0  # making one (restore + priming) may take the restore timeout plus this
 
 
 @dataclass
@@ -50,11 +59,11 @@ class SnapshotShell:
 
 
 class SnapshotShells:
-    def __init__(self, orch: Orchestrator, size: int, idle_s: float, may_grow: Callable[[], bool]) -> None:
+    def __init__(self, orch: Orchestrator, size: int, idle_s: float) -> None:
         self._orch = orch
         self.size = size
         self.idle_s = idle_s
-        self._may_grow = may_grow  # as the warm pool's: False while the host is short of memory
+        self._failed: dict[str, float] = {}  # checkpoint id → when making a shell of it failed
         self._shells: dict[str, list[SnapshotShell]] = {}  # by checkpoint id
         self._hot: dict[str, tuple[Checkpoint, float]] = {}  # checkpoint id → (it, last start from it)
         self._wake = asyncio.Event()
@@ -62,12 +71,15 @@ class SnapshotShells:
         self._destroying: set[asyncio.Task[None]] = set()
 
     def take(self, cp: Checkpoint) -> SnapshotShell | None:
-        """A ready sandbox started from ``cp``, or None. Marks ``cp`` hot (named snapshots only:
-        a template build's checkpoints are started from once)."""
+        """A ready sandbox started from ``cp``, or None. Marks ``cp`` hot (snapshots only, named
+        or not: a template's checkpoint has the warm pool)."""
         if self.size <= 0 or cp.kind != "snapshot":
             return None
-        self._hot[cp.id] = (cp, time.monotonic())
-        self._wake.set()
+        now = time.monotonic()
+        if now - self._failed.get(cp.id, -RETRY_AFTER_S) >= RETRY_AFTER_S:
+            self._hot.pop(cp.id, None)  # (re)inserted last: the most recently used
+            self._hot[cp.id] = (cp, now)
+            self._wake.set()
         shells = self._shells.get(cp.id, [])
         while shells:
             shell = shells.pop()
@@ -81,18 +93,20 @@ class SnapshotShells:
         self._destroy_later(shell)
 
     async def forget(self, cp_id: str) -> None:
-        """The snapshot is being deleted: keep no shells of it (a fill under way destroys what
-        it makes once it sees the snapshot is no longer hot)."""
+        """Keep no shells of the snapshot (it is being deleted, or it is cold); a fill under way
+        destroys what it makes once it sees the snapshot is no longer hot."""
         self._hot.pop(cp_id, None)
         for shell in self._shells.pop(cp_id, []):
-            await self._destroy(shell)
+            self._destroy_later(shell)  # each on its own: one that fails does not keep the others
+        await self._destroyed()
 
     async def give_back(self) -> bool:
         """Destroy one ready shell, for a sandbox someone asked for; False when there is none."""
         fullest = max(self._shells.values(), key=len, default=[])
         if not fullest:
             return False
-        await self._destroy(fullest.pop())
+        self._destroy_later(fullest.pop())
+        await self._destroyed()
         log.warning("snapshot shells: gave back a ready shell for memory")
         return True
 
@@ -109,11 +123,14 @@ class SnapshotShells:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self._hot.clear()
         for shells in self._shells.values():
             for shell in shells:
-                await self._destroy(shell)
+                self._destroy_later(shell)
         self._shells.clear()
-        self._hot.clear()
+        await self._destroyed()
+
+    async def _destroyed(self) -> None:
         if self._destroying:
             await asyncio.gather(*self._destroying, return_exceptions=True)
 
@@ -124,6 +141,8 @@ class SnapshotShells:
             self._wake.clear()
             try:
                 await self._cool()
+                while below_reserve(self._orch.settings.mem_reserve_mb) and await self.give_back():
+                    pass
                 for cp_id in list(self._hot):
                     await self._fill(cp_id)
             except Exception:  # noqa: BLE001 — background: the next pass tries again
@@ -132,27 +151,41 @@ class SnapshotShells:
 
     async def _cool(self) -> None:
         now = time.monotonic()
-        for cp_id, (_, used) in list(self._hot.items()):
+        self._failed = {k: t for k, t in self._failed.items() if now - t < RETRY_AFTER_S}
+        hot = list(self._hot.items())
+        for i, (cp_id, (_, used)) in enumerate(hot):
             if now - used >= self.idle_s:
                 log.info("snapshot %s is cold (nothing started from it for %.0f s): its shells go",
                          cp_id, self.idle_s)
                 await self.forget(cp_id)
-            elif not self._orch.repo.exists(cp_id):  # deleted while a create marked it hot again
+            elif i < len(hot) - MAX_HOT:  # the least recently used beyond MAX_HOT
                 await self.forget(cp_id)
+            elif not self._exists(cp_id):  # deleted while a create marked it hot again
+                await self.forget(cp_id)
+
+    def _exists(self, cp_id: str) -> bool:
+        try:
+            return self._orch.repo.exists(cp_id)
+        except AgentenvError:  # a manifest that no longer reads: no more shells of it
+            return False
 
     async def _fill(self, cp_id: str) -> None:
         """Make shells for one hot snapshot, one at a time (each is a restore plus priming on
         the node's CPUs, next to the running sandboxes)."""
         while cp_id in self._hot and len(self._shells.setdefault(cp_id, [])) < self.size:
-            if not self._may_grow():
-                return
             cp = self._hot[cp_id][0]
+            layers_mb = sum(r.size for r in cp.memory) >> 20
+            if self._orch.memory_for(2, layers_mb) is not None:  # as the warm pool: one short of creates
+                return
             try:
-                shell = await self._make(cp)
+                bound = self._orch.settings.restore_timeout_s + MAKE_MARGIN_S
+                with self._orch.counting(1, layers_mb):
+                    shell = await asyncio.wait_for(self._make(cp), bound)
             except Exception as exc:  # noqa: BLE001 — e.g. the snapshot was deleted meanwhile
-                log.warning("snapshot shells: could not start one from %s: %s", cp_id,
-                            getattr(exc, "message", repr(exc)))
-                self._hot.pop(cp_id, None)  # marked hot again by the next start from it
+                log.warning("snapshot shells: could not start one from %s (%s); none for %.0f s", cp_id,
+                            getattr(exc, "message", None) or repr(exc), RETRY_AFTER_S)
+                self._failed[cp_id] = time.monotonic()
+                await self.forget(cp_id)
                 return
             shells = self._shells.get(cp_id)
             if cp_id not in self._hot or shells is None:  # forgotten meanwhile (deleted, cold)
