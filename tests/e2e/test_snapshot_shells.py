@@ -93,13 +93,21 @@ def test_a_reset_from_a_hot_snapshot_takes_a_primed_sandbox_of_its_own(node: Ser
             api.delete(f"/sandboxes/{sid}")
 
 
+def hot_snapshot(node: ServerProcess, api: httpx.Client) -> tuple[str, str, str, set[str]]:
+    """A sandbox, a snapshot of it and a sandbox started from that, once the snapshot's shell
+    is ready: (source, snapshot, started, the shell's run dir)."""
+    src = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    snap = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
+    kid = api.post("/sandboxes", json={"templateID": snap}).json()["sandboxID"]
+    wait_shells(node, 1, 1)
+    shells = host.sandbox_dirs(node.data_dir) - {s["sandboxID"] for s in api.get("/sandboxes").json()}
+    assert len(shells) == 1
+    return src, snap, kid, shells
+
+
 def test_a_snapshot_nothing_starts_from_cools_and_its_shells_go(node: ServerProcess) -> None:
     with node.client() as api:
-        src = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
-        snap = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
-        kid = api.post("/sandboxes", json={"templateID": snap}).json()["sandboxID"]
-        wait_shells(node, 1, 1)
-        shells = host.sandbox_dirs(node.data_dir) - {s["sandboxID"] for s in api.get("/sandboxes").json()}
+        src, snap, kid, shells = hot_snapshot(node, api)
         wait_shells(node, 0, 0, timeout=IDLE_S + 30)
         assert all(host.qemu_gone(d) for d in shells)
         assert not (host.sandbox_dirs(node.data_dir) & shells)
@@ -111,11 +119,7 @@ def test_a_snapshot_nothing_starts_from_cools_and_its_shells_go(node: ServerProc
 def test_shells_left_by_a_crashed_server_are_removed_at_its_next_start(node: ServerProcess) -> None:
     """They have no record: the next start's recovery kills their QEMUs, as the warm pool's."""
     with node.client() as api:
-        src = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
-        snap = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
-        kid = api.post("/sandboxes", json={"templateID": snap}).json()["sandboxID"]
-        wait_shells(node, 1, 1)
-        shells = host.sandbox_dirs(node.data_dir) - {s["sandboxID"] for s in api.get("/sandboxes").json()}
+        src, snap, kid, shells = hot_snapshot(node, api)
     node.stop(9)
     node.start()
     with node.client() as api:
