@@ -62,10 +62,14 @@ def test_a_file_still_open_or_mapped_elsewhere_is_not_kept(tmp_path: Path) -> No
 def test_the_pool_holds_at_most_its_size_and_gives_its_space_back(tmp_path: Path) -> None:
     pool = SparePool(tmp_path / "spare", 3 << 20)
     pool.offer(layer(tmp_path / "a", 2 << 20))
-    pool.offer(layer(tmp_path / "b", 2 << 20))  # does not fit: unlinked
+    pool.offer(layer(tmp_path / "b", 2 << 20))  # the oldest (a) goes to make room for it
     assert pool.total == 2 << 20 and not (tmp_path / "b").exists()
     pool.offer(layer(tmp_path / "c", 1 << 20))
     assert pool.total == 3 << 20
+    pool.offer(layer(tmp_path / "d", 4 << 20))  # larger than the pool: not kept, nothing goes
+    assert pool.total == 3 << 20 and not (tmp_path / "d").exists()
+    assert pool.take(tmp_path / "first", 2 << 20) and (tmp_path / "first").read_bytes()[:1]
+    assert pool.total == 1 << 20
     # the next start finds them, and a smaller setting trims them (largest first)
     again = SparePool(tmp_path / "spare", 1 << 20)
     assert again.total == 1 << 20

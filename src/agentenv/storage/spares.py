@@ -67,9 +67,10 @@ class SparePool:
         dest = self.root / f"spare-{uuid.uuid4().hex[:12]}"
         try:
             size = path.stat().st_size
-            with self._lock:
-                room = sum(self._files.values()) + size <= self.max_bytes
-            if not (room and self._disk_has_room()):
+            room = size <= self.max_bytes and self._disk_has_room()
+            if room:
+                self._make_room(size)
+            if not room:
                 path.unlink(missing_ok=True)
                 return
             os.rename(path, dest)  # no one opens it by its layer name from here on
@@ -123,6 +124,18 @@ class SparePool:
         if freed:
             log.info("removed the spare layer files (%d MiB) to free disk space", freed >> 20)
         return freed
+
+    def _make_room(self, size: int) -> None:
+        """The oldest spares go for a newer one: the layers the node writes now are the best
+        guide to those it will write next."""
+        with self._lock:
+            drop = []
+            while self._files and sum(self._files.values()) + size > self.max_bytes:
+                oldest = next(iter(self._files))
+                del self._files[oldest]
+                drop.append(oldest)
+        for p in drop:
+            p.unlink(missing_ok=True)
 
     def _disk_has_room(self) -> bool:
         """Keep spares only while the file system has at least twice the pool's size free:
