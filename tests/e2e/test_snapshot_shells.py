@@ -109,11 +109,34 @@ def test_a_snapshot_nothing_starts_from_cools_and_its_shells_go(node: ServerProc
     with node.client() as api:
         src, snap, kid, shells = hot_snapshot(node, api)
         wait_shells(node, 0, 0, timeout=IDLE_S + 30)
+        deadline = time.monotonic() + 10  # (no longer counted from the moment it is cold)
+        while host.sandbox_dirs(node.data_dir) & shells and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert all(host.qemu_gone(d) for d in shells)
         assert not (host.sandbox_dirs(node.data_dir) & shells)
         for sid in (src, kid):
             api.delete(f"/sandboxes/{sid}")
         api.delete(f"/snapshots/{snap}")
+
+
+def test_a_shell_primed_under_a_name_that_moved_on_is_handed_out_under_its_id(node: ServerProcess) -> None:
+    """A snapshot's name goes to the newest snapshot given it; a shell primed while the older
+    one had it must not tell its guest that name."""
+    with node.client() as api:
+        src = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        older = api.post(f"/sandboxes/{src}/snapshots", json={"name": "moving"}).json()["snapshotID"]
+        kid = api.post("/sandboxes", json={"templateID": "moving"}).json()["sandboxID"]
+        assert run(api, kid, "echo $E2B_TEMPLATE_ID")["stdout"] == "moving\n"
+        wait_shells(node, 1, 1)
+        newer = api.post(f"/sandboxes/{src}/snapshots", json={"name": "moving"}).json()["snapshotID"]
+        handed = api.post("/sandboxes", json={"templateID": older}).json()["sandboxID"]
+        assert api.get(f"/sandboxes/{handed}").json()["templateID"] == older
+        assert run(api, handed, "echo $E2B_TEMPLATE_ID")["stdout"] == older + "\n"
+        for sid in (src, kid, handed):
+            api.delete(f"/sandboxes/{sid}")
+        for snap in (older, newer):
+            api.delete(f"/snapshots/{snap}")
+        wait_shells(node, 0, 0)
 
 
 def test_shells_left_by_a_crashed_server_are_removed_at_its_next_start(node: ServerProcess) -> None:

@@ -343,12 +343,15 @@ class EnvdClient:
                 raise EnvdError("internal", f"warm-up command failed as {user or 'the default user'}: "
                                             f"exit {res.exit_code}: {res.stderr[-300:].decode(errors='replace')}")
 
-    async def resume(self, env_vars: dict[str, str] | None = None) -> None:
+    async def resume(self, env_vars: dict[str, str] | None = None, template_id: str | None = None) -> None:
         """``POST /init`` with the current clock (and env vars) only: for a guest that already
-        has its identity and was frozen since (a primed warm-pool sandbox)."""
+        has its identity and was frozen since (a primed warm-pool sandbox). ``template_id``:
+        the name it is handed out under, if that may have changed since it was primed."""
         body: dict[str, Any] = {"timestamp": time.time()}
         if env_vars:
             body["envVars"] = env_vars
+        if template_id:
+            body["templateId"] = template_id
         await self._post_init(body)
 
     async def configure(self, *, env_vars: dict[str, str] | None = None, default_user: str | None = None,

@@ -262,7 +262,10 @@ async def _from_shell(orch: Orchestrator, cp: Checkpoint, shell: SnapshotShell, 
         if net.get("allowOut") or net.get("denyOut"):  # before the guest runs again
             await set_egress(started.slot, net.get("allowOut", []), net.get("denyOut", []))
         await started.machine.qmp("cont")
-        await asyncio.wait_for(started.envd.resume(env_vars), orch.settings.restore_timeout_s)
+        # The name it was primed under may have gone to a newer snapshot since (a name moves
+        # to the newest snapshot given it): the guest's E2B_TEMPLATE_ID follows the record's.
+        await asyncio.wait_for(started.envd.resume(env_vars, template_id=cp.name or cp.id),
+                               orch.settings.restore_timeout_s)
     except (EnvdError, VmmError, asyncio.TimeoutError) as exc:
         log.warning("ready shell %s of snapshot %s did not come up (%r); starting a new one instead",
                     shell.sandbox_id, cp.id, exc)
