@@ -156,27 +156,28 @@ def bench_fork(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[
         snap = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
         child = _create(api, snap)
         for _ in range(runs):
-            wait_pool(node)
-            t0 = time.perf_counter()
-            api.delete(f"/sandboxes/{child}").raise_for_status()
-            child = _create(api, snap)
-            out["reset_ms"].append(_ms(t0))
+            child = _timed_reset(node, api, child, snap, out["reset_ms"])
         api.delete(f"/sandboxes/{child}")
         api.delete(f"/snapshots/{snap}")
         for _ in range(max(1, min(runs, 5))):
             # baseline: the same reset from a snapshot nothing was started from yet (no shell)
             cold = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
-            kid = _create(api)
-            wait_pool(node)
-            t0 = time.perf_counter()
-            api.delete(f"/sandboxes/{kid}").raise_for_status()
-            kid = _create(api, cold)
-            out["reset_cold_ms"].append(_ms(t0))
+            kid = _timed_reset(node, api, _create(api), cold, out["reset_cold_ms"])
             api.delete(f"/sandboxes/{kid}")
             api.delete(f"/snapshots/{cold}")
     finally:
         api.delete(f"/sandboxes/{src}")
     return out
+
+
+def _timed_reset(node: LocalNode, api: httpx.Client, kid: str, snap: str, into: list[float]) -> str:
+    """Kill ``kid`` and start a new sandbox from ``snap``, timed into ``into``; the new id."""
+    wait_pool(node)
+    t0 = time.perf_counter()
+    api.delete(f"/sandboxes/{kid}").raise_for_status()
+    kid = _create(api, snap)
+    into.append(_ms(t0))
+    return kid
 
 
 # -- baseline: plain QEMU migration of the whole RAM to a file and back --------------------------

@@ -97,9 +97,7 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
     try:
         slot = await orch.slots.acquire()
         undo.add("slot", lambda: orch.slots.release(slot))
-        net = (options or {}).get("network") or {}
-        if net.get("allowOut") or net.get("denyOut"):  # before the guest runs an instruction
-            await set_egress(slot, net.get("allowOut", []), net.get("denyOut", []))
+        await _egress_policy(slot, options)  # before the guest runs an instruction
         t1 = time.perf_counter()
         machine, disk = await orch.checkpoints.restore(cp, name=sandbox_id, run_dir=run_dir, slot=slot,
                                                        disk_top=disk_top, mem_file=mem_file,
@@ -159,6 +157,13 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
         else:
             await undo.unwind()
         raise
+
+
+async def _egress_policy(slot: Slot, options: dict[str, Any] | None) -> None:
+    """The create's egress rules, if it has any (a new slot allows everything else)."""
+    net = (options or {}).get("network") or {}
+    if net.get("allowOut") or net.get("denyOut"):
+        await set_egress(slot, net.get("allowOut", []), net.get("denyOut", []))
 
 
 async def _cont_quietly(machine: Machine) -> None:
@@ -236,36 +241,33 @@ async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s
     if cp.kind not in ("snapshot", "template"):
         raise InvalidRequest(f"'{id_or_name}' is not a snapshot or a template")
     timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
+    template, env, meta = cp.name or cp.id, dict(env_vars or {}), {**cp.metadata, **(metadata or {})}
     orch.check_count()
     shell = orch.snapshot_shells.take(cp)
     if shell is not None:  # its VM holds its memory already: counted, not admitted by memory again
         with orch.counting(), orch.pinning(cp):
-            rec = await _from_shell(orch, cp, shell, env_vars=dict(env_vars or {}),
-                                    metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
-                                    options=options)
+            rec = await _from_shell(orch, cp, shell, template=template, env_vars=env, metadata=meta,
+                                    timeout_s=timeout, options=options)
         if rec is not None:
             return rec
     async with orch.admitted(starting=cp):
-        return await _new_sandbox(orch, cp, template=cp.name or cp.id, env_vars=dict(env_vars or {}),
-                                  metadata={**cp.metadata, **(metadata or {})}, timeout_s=timeout,
+        return await _new_sandbox(orch, cp, template=template, env_vars=env, metadata=meta, timeout_s=timeout,
                                   options=options)
 
 
-async def _from_shell(orch: Orchestrator, cp: Checkpoint, shell: SnapshotShell, *, env_vars: dict[str, str],
-                      metadata: dict[str, str], timeout_s: int, options: dict[str, Any]) -> SandboxRecord | None:
+async def _from_shell(orch: Orchestrator, cp: Checkpoint, shell: SnapshotShell, *, template: str,
+                      env_vars: dict[str, str], metadata: dict[str, str], timeout_s: int,
+                      options: dict[str, Any]) -> SandboxRecord | None:
     """A sandbox from a primed shell of ``cp`` (orchestrator/snapshot_shells.py): its policy,
     then ``cont`` and the clock and env vars. None (the shell destroyed) when its guest does
     not answer: the caller starts one the usual way instead."""
     started = shell.started
-    net = options.get("network") or {}
     try:
-        if net.get("allowOut") or net.get("denyOut"):  # before the guest runs again
-            await set_egress(started.slot, net.get("allowOut", []), net.get("denyOut", []))
+        await _egress_policy(started.slot, options)  # before the guest runs again
         await started.machine.qmp("cont")
         # The name it was primed under may have gone to a newer snapshot since (a name moves
         # to the newest snapshot given it): the guest's E2B_TEMPLATE_ID follows the record's.
-        await asyncio.wait_for(started.envd.resume(env_vars, template_id=cp.name or cp.id),
-                               orch.settings.restore_timeout_s)
+        await asyncio.wait_for(started.envd.resume(env_vars, template_id=template), orch.settings.restore_timeout_s)
     except (EnvdError, VmmError, asyncio.TimeoutError) as exc:
         log.warning("ready shell %s of snapshot %s did not come up (%r); starting a new one instead",
                     shell.sandbox_id, cp.id, exc)
@@ -275,8 +277,8 @@ async def _from_shell(orch: Orchestrator, cp: Checkpoint, shell: SnapshotShell, 
         orch.snapshot_shells.discard(shell)
         raise
     return await _register(orch, cp, started, shell.sandbox_id, shell.access_token, shell.run_dir,
-                           template=cp.name or cp.id, env_vars=env_vars, metadata=metadata,
-                           timeout_s=timeout_s, options=options)
+                           template=template, env_vars=env_vars, metadata=metadata, timeout_s=timeout_s,
+                           options=options)
 
 
 async def flush_guest(envd: EnvdClient, sandbox_id: str) -> None:

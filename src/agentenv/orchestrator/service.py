@@ -279,8 +279,7 @@ class Orchestrator:
                     continue
             self.check_count(more)
             # Sandboxes admitted and still starting have not taken their memory yet: counted here.
-            why = memory_shortfall(self.settings.mem_reserve_mb, more + self._admitting,
-                                   extra_mb + self._admitting_mb)
+            why = self.memory_for(more, extra_mb)
             if why is None:
                 return
             if not (await parking.evict_oldest(self, "memory for a new VM")

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv.envd_client import EnvdError
 from agentenv.errors import AgentenvError
 from agentenv.network import set_egress
 from agentenv.orchestrator import parking
@@ -210,10 +209,8 @@ class SnapshotShells:
             await started.envd.warm_up()
             await started.machine.qmp("stop")
             await set_egress(started.slot, [], [])  # frozen, it opens nothing (see shells.py)
-        except BaseException as exc:
+        except BaseException:
             await self._destroy(shell)
-            if isinstance(exc, EnvdError):
-                raise RuntimeError(f"priming failed: {exc.message}") from exc
             raise
         return shell
 

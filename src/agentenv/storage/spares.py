@@ -67,10 +67,7 @@ class SparePool:
         dest = self.root / f"spare-{uuid.uuid4().hex[:12]}"
         try:
             size = path.stat().st_size
-            room = size <= self.max_bytes and self._disk_has_room()
-            if room:
-                self._make_room(size)
-            if not room:
+            if not (size <= self.max_bytes and self._disk_has_room()):
                 path.unlink(missing_ok=True)
                 return
             os.rename(path, dest)  # no one opens it by its layer name from here on
@@ -78,6 +75,7 @@ class SparePool:
                 dest.unlink(missing_ok=True)
                 return
             os.chmod(dest, 0o600)
+            self._make_room(size)  # (only for a file that is kept)
         except OSError as exc:
             for p in (path, dest):
                 try:
@@ -89,7 +87,6 @@ class SparePool:
             return
         with self._lock:
             self._files[dest] = size
-        self._trim()
 
     def take(self, out: Path, nbytes: int) -> bool:
         """Move a spare to ``out`` for a layer of about ``nbytes``: the smallest that holds it,
