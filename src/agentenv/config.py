@@ -48,6 +48,7 @@ class Settings:
     pool_size: int = 16  # restored, frozen sandboxes kept per hot template (a GRPO group's worth)
     snapshot_pool_size: int = 2  # the same per snapshot sandboxes were started from (orchestrator/snapshot_shells.py)
     snapshot_pool_idle_s: float = 300.0  # ... until nothing was started from it for this long
+    background_nice: int = 10  # CPU priority of VMs made ahead of time (pools) until handed out: vmm/priority.py
     slot_pool_size: int = 20  # network namespaces kept ready: a fork of max_fork children waits for none
     boot_timeout_s: float = 120.0  # cold boot until the agent answers (TCG is slow)
     restore_timeout_s: float = 20.0  # restore until the agent answers
@@ -99,6 +100,7 @@ class Settings:
             snapshot_pool_size=int(_env("AENV_SNAPSHOT_POOL_SIZE", str(d.snapshot_pool_size))),
             snapshot_pool_idle_s=float(_env("AENV_SNAPSHOT_POOL_IDLE_S", str(d.snapshot_pool_idle_s))),
             slot_pool_size=int(_env("AENV_SLOT_POOL_SIZE", str(d.slot_pool_size))),
+            background_nice=int(_env("AENV_BACKGROUND_NICE", str(d.background_nice))),
             api_key=os.environ.get("AENV_API_KEY"),
             max_fork=int(_env("AENV_MAX_FORK", str(d.max_fork))),
             max_memory_layers=int(_env("AENV_MAX_MEMORY_LAYERS", str(d.max_memory_layers))),
@@ -130,6 +132,8 @@ class Settings:
     def validate(self) -> None:
         if self.accel not in ("auto", "kvm", "tcg"):
             raise ValueError(f"AENV_ACCEL must be auto, kvm or tcg, not {self.accel!r}")
+        if not 0 <= self.background_nice <= 19:
+            raise ValueError(f"AENV_BACKGROUND_NICE must be a nice value from 0 (off) to 19, not {self.background_nice}")
         net = ipaddress.ip_network(self.slot_cidr)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("set both AENV_TLS_CERT and AENV_TLS_KEY, or neither")

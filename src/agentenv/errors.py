@@ -29,6 +29,12 @@
 
 Each error carries a message that says what to fix. The HTTP status for each class is
 mapped once, in ``agentenv.api.errors``.
+
+``envd_client.EnvdError`` stays outside this tree on purpose: it carries the guest agent's own
+Connect code (``not_found``, ``invalid_argument``, ``unavailable``...), which may be the
+caller's fault or the guest's, so the API maps it by that code (``ENVD_STATUS``), not by
+class; the orchestrator turns it into ``GuestError`` or ``GuestUnresponsive`` where the
+platform needed the guest and it failed.
 """
 
 from __future__ import annotations

@@ -57,6 +57,31 @@ def test_create_run_kill_leaves_nothing(api: httpx.Client, server: ServerProcess
     assert not same_namespace(), "namespace not freed"
 
 
+def test_a_ready_shell_runs_behind_live_sandboxes_until_a_create_takes_it(api: httpx.Client,
+                                                                          server: ServerProcess) -> None:
+    """The warm pool restores and waits at a lower CPU priority (vmm/priority.py), so that its
+    refills do not slow the sandboxes users run commands in; the one a create takes runs as
+    they do."""
+    if api.get("/health/details").json()["poolSize"] == 0:  # no create yet: the template is not hot
+        api.delete(f"/sandboxes/{api.post('/sandboxes', json={'templateID': 'base'}).json()['sandboxID']}")
+    deadline = time.monotonic() + 60
+    while (d := api.get("/health/details").json())["poolReady"] < max(1, d["poolSize"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    live = {s["sandboxID"] for s in api.get("/sandboxes").json()}
+    shells = {pid for d in host.sandbox_dirs(server.data_dir) - live for pid in host.qemu_pids(d)}
+    assert shells, "a ready shell is running"
+    assert all(host.cpu_nice(pid) == {10} for pid in shells), [host.cpu_nice(p) for p in shells]
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    try:
+        (pid,) = host.qemu_pids(sid)
+        assert pid in shells, "the create took the ready shell"
+        assert host.cpu_nice(pid) == {0}
+        assert run(api, sid, "echo up")["stdout"] == "up\n"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
 def test_each_sandbox_has_its_own_identity_and_clock(api: httpx.Client) -> None:
     ids = [api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"] for _ in range(2)]
     try:

@@ -60,12 +60,16 @@ def test_a_reset_from_a_hot_snapshot_takes_a_primed_sandbox_of_its_own(node: Ser
         first = api.post("/sandboxes", json={"templateID": "episode"}).json()["sandboxID"]
         wait_shells(node, 1, 1)
         before = set(host.qemu_pids(str(node.data_dir)))
+        shell_pids = before - host.qemu_pids(first)
+        # it waits behind live sandboxes (vmm/priority.py) ...
+        assert shell_pids and all(host.cpu_nice(p) == {10} for p in shell_pids)
         r = api.post("/sandboxes", json={"templateID": "episode", "envVars": {"EPISODE": "7"}, "timeout": 120,
                                          "metadata": {"run": "r1"}, "network": {"denyOut": ["203.0.113.0/24"]}})
         assert r.status_code == 201, r.text
         second = r.json()["sandboxID"]
         pids = set(host.qemu_pids(second))
         assert pids and pids <= before, "not the primed sandbox that was ready"
+        assert all(host.cpu_nice(p) == {0} for p in pids), "... and runs as they do once handed out"
         info = api.get(f"/sandboxes/{second}").json()
         assert info["metadata"] == {"run": "r1"} and info["templateID"] == "episode"
         # the snapshot's state, the create's env vars and network policy, an identity of its own

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 from agentenv.bench.node import qemu_gone, qemu_pids
 
-__all__ = ["qemu_pids", "qemu_gone", "netns_names", "netns_of", "node_netns", "sandbox_dirs"]
+__all__ = ["qemu_pids", "qemu_gone", "netns_names", "netns_of", "node_netns", "sandbox_dirs", "cpu_nice"]
 
 
 def netns_names() -> set[str]:
@@ -31,3 +32,12 @@ def node_netns(data_dir: Path) -> set[str]:
 
     prefix = f"aenv-{Settings(data_dir=data_dir).instance_tag[:4]}-"
     return {n for n in netns_names() if n.startswith(prefix)}
+
+
+def cpu_nice(pid: int) -> set[int]:
+    """The nice values a process runs at, as the scheduler ranks it: each thread's, and its
+    session's autogroup's when autogroup scheduling is on (vmm/priority.py)."""
+    values = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+    if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+        values.add(int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1]))
+    return values

@@ -246,9 +246,10 @@ class Checkpointer:
 
     async def restore(self, cp: Checkpoint, *, name: str, run_dir: Path, slot: Slot,
                       disk_top: Path | None = None, mem_file: Path | None = None,
-                      verified: bool = False,
+                      verified: bool = False, nice: int = 0,
                       before_run: Callable[[], Awaitable[None]] | None = None) -> tuple[Machine, str]:
-        """A running machine in the state of ``cp``; returns it and its disk overlay.
+        """A running machine in the state of ``cp``; returns it and its disk overlay. ``nice``:
+        its QEMU's CPU priority (vmm/priority.py), for one made ahead of time.
         ``disk_top`` resumes a paused sandbox on its own overlay; otherwise a new overlay
         is made over the checkpoint's sealed disk. ``mem_file``: a memory file that already
         holds the checkpoint's pages (``materialize``), mapped instead of the template's.
@@ -289,7 +290,7 @@ class Checkpointer:
             # may then flush behind pending write-back (see the seal above).
             await asyncio.to_thread(_write_spec, spec)
             t1 = time.perf_counter()
-            machine = await Machine.launch(spec)
+            machine = await Machine.launch(spec, nice=nice)
             undo.add("machine", machine.kill)
             t2 = time.perf_counter()
             try:

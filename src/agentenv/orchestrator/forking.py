@@ -74,14 +74,15 @@ class Started:
 async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_id: str, access_token: str,
                                 template: str, env_vars: dict[str, str], run_dir: Path,
                                 disk_top: Path | None = None, options: dict[str, Any] | None = None,
-                                mem_file: Path | None = None, keep_if_silent: bool = False,
+                                mem_file: Path | None = None, keep_if_silent: bool = False, nice: int = 0,
                                 before_run: Callable[[Slot], Awaitable[None]] | None = None) -> Started:
     """Slot (with the sandbox's egress rules) + QEMU restored to ``cp`` + the guest's identity
     (id, token, fresh entropy, the clock). Undoes everything it made on failure; never
     touches the checkpoint. ``keep_if_silent`` (a resume on the sandbox's own disk): a guest
     that ran but did not answer is kept, with the error in ``Started.silent`` (a VmmError if
     its QEMU died meanwhile); its disk may have moved on, so going back to the saved state
-    would no longer be exact. ``before_run(slot)``: awaited before the restored guest runs."""
+    would no longer be exact. ``before_run(slot)``: awaited before the restored guest runs.
+    ``nice``: the CPU priority of a VM made ahead of time (vmm/priority.py)."""
     undo = Cleanup(f"start {sandbox_id}")
     t0 = time.perf_counter()
     recorded = False
@@ -101,7 +102,7 @@ async def start_from_checkpoint(orch: Orchestrator, cp: Checkpoint, *, sandbox_i
         t1 = time.perf_counter()
         machine, disk = await orch.checkpoints.restore(cp, name=sandbox_id, run_dir=run_dir, slot=slot,
                                                        disk_top=disk_top, mem_file=mem_file,
-                                                       verified=mem_file is not None,
+                                                       verified=mem_file is not None, nice=nice,
                                                        before_run=(lambda: record(slot)) if before_run else None)
         undo.add("machine", machine.kill)
         await orch.checkpoints.crash_point("start_after_restore")
@@ -264,6 +265,7 @@ async def _from_shell(orch: Orchestrator, cp: Checkpoint, shell: SnapshotShell, 
     started = shell.started
     try:
         await _egress_policy(started.slot, options)  # before the guest runs again
+        started.machine.set_nice(0)  # made in the background: now a live sandbox
         await started.machine.qmp("cont")
         # The name it was primed under may have gone to a newer snapshot since (a name moves
         # to the newest snapshot given it): the guest's E2B_TEMPLATE_ID follows the record's.

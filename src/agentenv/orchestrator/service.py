@@ -407,7 +407,8 @@ class Orchestrator:
     async def _make_shell(self, snap: TemplateSnapshot, prime: bool = True) -> Shell:
         return await make_shell(snap, sandboxes_dir=self.sandboxes_dir, sock_dir=self.settings.sock_dir,
                                 slots=self.slots, accel=self.accel, tb_size_mb=self.settings.tcg_tb_size_mb,
-                                restore_timeout_s=self.settings.restore_timeout_s, prime=prime)
+                                restore_timeout_s=self.settings.restore_timeout_s, prime=prime,
+                                nice=self.settings.background_nice)
 
     # -- kill, timeout, failure -------------------------------------------------------------
 

@@ -58,6 +58,7 @@ class Shell:
         create's env vars; an inline shell gets everything now. Raises GuestError if the agent
         does not answer within ``timeout_s``."""
         if self.frozen:
+            self.machine.set_nice(0)  # made in the background (make_shell): now a live sandbox
             await self.machine.qmp("cont")
         if "hang_after_restore" in faults:
             await self.machine.qmp("stop")  # injected fault: a guest that never answers
@@ -77,10 +78,12 @@ class Shell:
 
 
 async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_dir: Path, slots: SlotPool,
-                     accel: AccelInfo, tb_size_mb: int, restore_timeout_s: float, prime: bool = True) -> Shell:
+                     accel: AccelInfo, tb_size_mb: int, restore_timeout_s: float, prime: bool = True,
+                     nice: int = 0) -> Shell:
     """Acquire slot, overlay and QEMU for one future sandbox and restore it; undo everything on
     failure. ``prime`` (pool shells) also warms the activation and command paths and freezes
-    it; a shell made inline for a waiting create skips that and is handed out running."""
+    it, its QEMU at CPU priority ``nice`` until activated (vmm/priority.py); a shell made
+    inline for a waiting create skips that and is handed out running."""
     sandbox_id = new_sandbox_id()
     run_dir = sandboxes_dir / sandbox_id
     undo = Cleanup(f"shell {sandbox_id}")
@@ -105,7 +108,7 @@ async def make_shell(snapshot: TemplateSnapshot, *, sandboxes_dir: Path, sock_di
         tmp = run_dir / "machine.json.tmp"
         tmp.write_text(json.dumps(spec_to_json(spec)))
         os.replace(tmp, run_dir / "machine.json")
-        machine = await Machine.launch(spec)
+        machine = await Machine.launch(spec, nice=nice if prime else 0)
         undo.add("machine", machine.kill)
         await machine.prepare_incoming()
         await machine.load_state(snapshot.state, timeout=restore_timeout_s)

@@ -200,7 +200,8 @@ class SnapshotShells:
                 # Nothing goes out while it primes: a create's policy is applied before it runs.
                 started = await start_from_checkpoint(
                     self._orch, cp, sandbox_id=sandbox_id, access_token=token, template=cp.name or cp.id,
-                    env_vars={}, run_dir=run_dir, options={"network": {"denyOut": ["0.0.0.0/0"]}})
+                    env_vars={}, run_dir=run_dir, options={"network": {"denyOut": ["0.0.0.0/0"]}},
+                    nice=self._orch.settings.background_nice)
         except BaseException:
             await remove_tree(run_dir)
             raise

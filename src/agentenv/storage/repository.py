@@ -399,11 +399,6 @@ class SnapshotRepository:
             log.info("repository gc removed %d unreferenced layers", len(removed))
         return removed
 
-    def usage(self) -> tuple[int, int]:
-        """(layer count, bytes) for status displays."""
-        sizes = [p.stat().st_size for p in self.layers.iterdir()]
-        return len(sizes), sum(sizes)
-
 
 def check_writable(path: Path) -> None:
     """Fail early with a clear message when the repository's disk cannot take a file."""

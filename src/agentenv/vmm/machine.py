@@ -24,6 +24,7 @@ from qemu.qmp import QMPClient
 from qemu.qmp.error import QMPError
 
 from agentenv.errors import VmmError
+from agentenv.vmm.priority import set_nice
 from agentenv.vmm.spec import MachineSpec, build_argv
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,10 @@ class Machine:
     # -- lifecycle -------------------------------------------------------------------------
 
     @classmethod
-    async def launch(cls, spec: MachineSpec) -> Machine:
-        """Start QEMU and connect QMP. Raises VmLaunchFailed with QEMU's own message."""
+    async def launch(cls, spec: MachineSpec, nice: int = 0) -> Machine:
+        """Start QEMU and connect QMP. Raises VmLaunchFailed with QEMU's own message. ``nice``:
+        its CPU priority from the end of its start-up on (vmm/priority.py; a VM made ahead of
+        time runs behind live ones until ``set_nice(0)``)."""
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         spec.sock_dir.mkdir(parents=True, exist_ok=True)
         pidfile = spec.run_dir / "qemu.pid"
@@ -82,6 +85,8 @@ class Machine:
         if launcher.returncode != 0:
             raise VmLaunchFailed(argv, log_path.read_text(errors="replace"))
         pid = int(pidfile.read_text().strip())
+        if nice:
+            set_nice(pid, nice)
         try:
             return await cls._connect(spec, pid)
         except asyncio.CancelledError:
@@ -173,6 +178,11 @@ class Machine:
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
+
+    def set_nice(self, nice: int) -> None:
+        """Its CPU priority (vmm/priority.py); 0 is that of every live sandbox."""
+        if not self.exited:
+            set_nice(self.pid, nice)
 
     # -- QMP -----------------------------------------------------------------------------
 
