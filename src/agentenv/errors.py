@@ -8,6 +8,7 @@
     │   │   ├── SandboxNotFound
     │   │   ├── TemplateNotFound
     │   │   ├── SnapshotNotFound
+    │   │   ├── SandboxNotRunning 404 as E2B answers it: a paused sandbox's timeout
     │   │   └── ImageNotFound     404: the registry has no such image or tag
     │   ├── RegistryAuthFailed    401: the registry refused the (missing or given) credentials
     │   ├── ImageCorrupt          422: a blob fails its digest, a layer is truncated or corrupt
@@ -74,6 +75,16 @@ class TemplateNotFound(NotFound):
             f"template '{template_id}' not found; `aenv template ls` lists the available templates"
         )
         self.template_id = template_id
+
+
+class SandboxNotRunning(NotFound):
+    """A sandbox that exists but is paused, where E2B answers 404 (setting its timeout): the
+    E2B SDKs raise their not-found exception on it, and code written for them catches that."""
+
+    def __init__(self, sandbox_id: str, state: str, action: str) -> None:
+        super().__init__(f"sandbox '{sandbox_id}' is {state}, not running; resume it (POST "
+                         f"/sandboxes/{sandbox_id}/connect, or `aenv resume`) before {action}")
+        self.sandbox_id = sandbox_id
 
 
 class SnapshotNotFound(NotFound):

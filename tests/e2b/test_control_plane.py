@@ -137,6 +137,8 @@ def test_the_deprecated_resume_route_sets_auto_pause(api: httpx.Client) -> None:
     sid = _create(api, timeout=300)["sandboxID"]
     try:
         assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        r = api.post(f"/sandboxes/{sid}/timeout", json={"timeout": 60})
+        assert r.status_code == 404 and "is paused" in r.json()["message"], r.text  # as E2B answers it
         r = api.post(f"/sandboxes/{sid}/resume", json={"timeout": 3, "autoPause": True})
         assert r.status_code == 201, r.text
         assert api.get(f"/sandboxes/{sid}").json()["lifecycle"]["onTimeout"] == "pause"

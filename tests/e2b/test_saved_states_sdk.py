@@ -16,6 +16,11 @@ SYNC = """
     o["pause_again"] = Sandbox.pause(sb.sandbox_id) if hasattr(Sandbox, "pause") else None
     o["running_while_paused"] = sb.is_running()
     o["state"] = sb.get_info().state.value
+    try:
+        sb.set_timeout(60)
+        o["timeout_while_paused"] = "set"
+    except Exception as e:
+        o["timeout_while_paused"] = type(e).__name__
     o["listed_paused"] = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()]
     again = Sandbox.connect(sb.sandbox_id, timeout=300)
     o["resumed_same_id"] = again.sandbox_id == sb.sandbox_id
@@ -49,6 +54,7 @@ def _check(out: dict) -> None:
     assert out["pause_again"] in (False, None)  # 409: already paused
     assert out["running_while_paused"] is False
     assert out["state"] == "paused"
+    assert out["timeout_while_paused"] == "SandboxNotFoundException", out  # E2B answers 404
     assert out["listed_paused"], out
     assert out["resumed_same_id"] and out["running_after"]
     assert out["counter_goes_on"]

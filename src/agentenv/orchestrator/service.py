@@ -25,6 +25,7 @@ from agentenv.errors import (
     NetworkError,
     PlatformError,
     SandboxNotFound,
+    SandboxNotRunning,
     SandboxStateError,
     SnapshotNotFound,
     SnapshotUnusable,
@@ -454,6 +455,10 @@ class Orchestrator:
         self.schedule_gc()
 
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
+        live = self._live.get(sandbox_id)
+        if live is not None and live.record.state == State.PAUSED:
+            # A paused sandbox has no timeout running; E2B answers 404 (the wire contract).
+            raise SandboxNotRunning(sandbox_id, "paused", "setting its timeout")
         live = self._require(sandbox_id, GUEST_UP)
         self.validate_timeout(timeout_s)
         live.record = live.record.with_(end_at=time.time() + timeout_s, timeout_s=timeout_s)
