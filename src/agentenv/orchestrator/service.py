@@ -85,6 +85,15 @@ async def together(*work: Coroutine[Any, Any, object]) -> None:
 
 
 class Orchestrator:
+    """The node's sandboxes and what serves them. Its public methods are what the API calls.
+
+    Its underscored members (``_live``, ``_require``, ``_transition``, ``_fail``, ``_watch``,
+    ``_forking``, ``_in_background``) are the orchestrator package's own: the helper modules
+    beside this one (forking, pausing, parking, recovery, snapshot_shells) take the
+    orchestrator as their first argument and use them, so that the lifecycle of one sandbox
+    lives in several small files instead of one large class. Nothing outside the package
+    uses them."""
+
     def __init__(self, settings: Settings, registry: RegistrySettings | None = None) -> None:
         self.settings = settings
         self.accel: AccelInfo = detect_accel(settings.accel)
