@@ -196,6 +196,37 @@ def test_named_snapshot_starts_new_sandboxes_and_outlives_its_source(api: httpx.
     assert api.post("/sandboxes", json={"templateID": "e2e-snap"}).status_code == 404
 
 
+def test_two_snapshots_given_one_name_at_once_leave_it_on_the_newer_one(api: httpx.Client) -> None:
+    """A name in use moves to the new snapshot; two snapshots named alike at the same moment
+    (two workers of a trainer, say) must leave it on exactly one of them, the newer, with
+    the other still there by its id: never both holding it, nor neither."""
+    a, b = (api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"] for _ in range(2))
+    made: list[str] = []
+    snaps: list[dict] = []
+    try:
+        for sid in (a, b):
+            run(api, sid, f"echo {sid} > /home/user/who.txt")
+        with ThreadPoolExecutor(2) as ex:
+            answers = list(ex.map(lambda sid: api.post(f"/sandboxes/{sid}/snapshots", json={"name": "contested"}),
+                                  (a, b)))
+        assert [r.status_code for r in answers] == [201, 201], [r.text for r in answers]
+        snaps = [r.json() for r in answers]
+        listed = {s["snapshotID"]: s for s in api.get("/snapshots").json()}
+        assert {x["snapshotID"] for x in snaps} <= set(listed), "both snapshots exist"
+        holders = [i for i, x in enumerate(snaps) if "contested" in listed[x["snapshotID"]]["names"]]
+        assert len(holders) == 1, [listed[x["snapshotID"]]["names"] for x in snaps]
+        (i,) = holders
+        assert snaps[i]["createdAt"] >= snaps[1 - i]["createdAt"], "the name is on the newer snapshot"
+        new = api.post("/sandboxes", json={"templateID": "contested"}).json()["sandboxID"]
+        made.append(new)
+        assert run(api, new, "cat /home/user/who.txt")["stdout"] == f"{(a, b)[i]}\n"
+    finally:
+        for sid in (a, b, *made):
+            api.delete(f"/sandboxes/{sid}")
+        for x in snaps:
+            api.delete(f"/snapshots/{x['snapshotID']}")
+
+
 def test_deleting_a_snapshot_keeps_layers_its_sandboxes_use(api: httpx.Client, server: ServerProcess) -> None:
     sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
     run(api, sid, "echo layered > /home/user/l.txt")
