@@ -158,8 +158,11 @@ def cached_bytes(path: Path) -> int:
     return int(out.split()[0])
 
 
-def test_an_uncached_capture_writes_the_same_layer_and_keeps_it_out_of_memory(mem: Path, tmp_path: Path) -> None:
-    """A pause whose VM is parked writes its layer with direct I/O (not through the page cache)."""
+def test_an_uncached_capture_writes_the_same_layer_and_keeps_it_out_of_memory(
+        mem: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pause whose VM is parked writes its layer with direct I/O (not through the page cache),
+    once the layer is large enough (here: whatever its size)."""
+    monkeypatch.setattr(ml, "DIRECT_MIN_BYTES", 0)
     g = Guest(mem)
     try:
         g.write(100, 2048, 4)  # 8 MiB
@@ -181,9 +184,29 @@ def test_an_uncached_capture_writes_the_same_layer_and_keeps_it_out_of_memory(me
         g2.close()
 
 
-def test_a_capture_over_a_spare_file_writes_the_same_layer(mem: Path, tmp_path: Path) -> None:
+def test_a_small_uncached_capture_goes_through_the_page_cache(mem: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below DIRECT_MIN_BYTES of pages a parked pause's layer is copied into the page cache (the
+    kernel writes it back): faster than the direct write for a small layer. At the limit it is
+    written directly."""
+    g = Guest(mem)
+    try:
+        g.write(100, 2048, 4)  # 8 MiB
+        monkeypatch.setattr(ml, "DIRECT_MIN_BYTES", (2048 + 1) * 4096)
+        small = ml.capture(g.proc.pid, mem, tmp_path / "small", uncached=True)
+        monkeypatch.setattr(ml, "DIRECT_MIN_BYTES", 2048 * 4096)
+        at_limit = ml.capture(g.proc.pid, mem, tmp_path / "at-limit", uncached=True)
+    finally:
+        g.close()
+    assert small.pages == at_limit.pages == 2048 and small.digest == at_limit.digest
+    assert cached_bytes(at_limit.path) < 64 << 10 < (8 << 20) <= cached_bytes(small.path)
+
+
+def test_a_capture_over_a_spare_file_writes_the_same_layer(mem: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Written over a freed layer in place (storage/spares.py), larger than the new layer and
     full of other bytes, both ways of writing: the file ends as the layer a new file gets."""
+    monkeypatch.setattr(ml, "DIRECT_MIN_BYTES", 0)
     spares = SparePool(tmp_path / "spare", 64 << 20)
     g = Guest(mem)
     try:

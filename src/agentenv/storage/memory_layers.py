@@ -51,6 +51,8 @@ _HEADER = struct.Struct("<8sQQQQ")
 _RUN = struct.Struct("<QQ")
 _CHUNK = 4 << 20  # copy buffer: bounded memory whatever the layer size
 _IOV_MAX = 1024
+# An uncached capture smaller than this goes through the page cache all the same (capture()).
+DIRECT_MIN_BYTES = 32 << 20
 
 # PAGEMAP_SCAN (linux/fs.h): categories and the ioctl number _IOWR('f', 16, struct pm_scan_arg)
 _PAGE_IS_FILE = 1 << 2
@@ -297,11 +299,14 @@ def capture(pid: int, mem_path: Path, out: Path, chain: Sequence[Path] = (), *, 
     content equals what the chain already holds are left out. Runs in a worker thread; a full
     disk raises DiskFull and leaves no file.
 
-    ``uncached``: the pages go to the disk with direct I/O instead of through the page cache,
-    for a layer nobody reads soon (a pause whose VM is parked). On a virtualised host every
-    fresh page-cache page costs a hypervisor fault, so a cached write of 200 MiB takes from
-    150 to 420 ms depending on how much recently freed memory the kernel has at hand; direct
-    I/O is steady and leaves no copy in RAM. A restore then reads it from the disk.
+    ``uncached``: a layer nobody reads soon (a pause whose VM is parked). Its pages go to the
+    disk with direct I/O instead of through the page cache once they come to DIRECT_MIN_BYTES.
+    On a virtualised host every fresh page-cache page costs a hypervisor fault, so a cached
+    write of 200 MiB takes from 150 to 420 ms depending on how much recently freed memory the
+    kernel has at hand; direct I/O is steady and leaves no copy in RAM, and a restore then
+    reads it from the disk. A small layer is the other way round: copied into the page cache,
+    the call returns before the disk has it (the kernel writes it back), and 20 MiB took about
+    half the time of the direct write (docs/mechanisms/checkpoints.md).
 
     ``spares``: the layer is written over a spare file when there is one (storage/spares.py).
     Not after a restore (with a ``chain``): every restored page is private then, and the few
@@ -317,7 +322,8 @@ def capture(pid: int, mem_path: Path, out: Path, chain: Sequence[Path] = (), *, 
     try:
         for attempt in range(2):
             try:
-                return _write_layer(pid, start, end - start, runs, out, index, uncached)
+                direct = uncached and sum(c for _, c in runs) * PAGE >= DIRECT_MIN_BYTES
+                return _write_layer(pid, start, end - start, runs, out, index, direct)
             except OSError as exc:
                 out.unlink(missing_ok=True)
                 if exc.errno == errno.ENOSPC:
