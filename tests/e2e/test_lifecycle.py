@@ -65,10 +65,10 @@ def test_a_ready_shell_runs_behind_live_sandboxes_until_a_create_takes_it(api: h
     if api.get("/health/details").json()["poolSize"] == 0:  # no create yet: the template is not hot
         api.delete(f"/sandboxes/{api.post('/sandboxes', json={'templateID': 'base'}).json()['sandboxID']}")
     deadline = time.monotonic() + 60
-    while (d := api.get("/health/details").json())["poolReady"] < max(1, d["poolSize"]) \
-            and time.monotonic() < deadline:
+    while (d := api.get("/health/details").json())["poolReady"] < max(1, d["poolSize"]):
+        assert time.monotonic() < deadline, f"the warm pool did not fill: {d}"
         time.sleep(0.1)
-    live = {s["sandboxID"] for s in api.get("/sandboxes").json()}
+    live = {s["sandboxID"] for s in api.get("/v2/sandboxes", params={"state": "running,paused"}).json()}
     shells = {pid for d in host.sandbox_dirs(server.data_dir) - live for pid in host.qemu_pids(d)}
     assert shells, "a ready shell is running"
     assert all(host.cpu_nice(pid) == {10} for pid in shells), [host.cpu_nice(p) for p in shells]

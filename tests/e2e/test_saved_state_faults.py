@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from agentenv.config import Settings
+from agentenv.storage.memory_layers import DIRECT_MIN_BYTES
 from tests.e2e.conftest import run
 from tests.e2e.test_saved_states import COUNTER, counter, state
 from tests.framework import host
@@ -317,7 +318,8 @@ def test_sigterm_with_pause_on_stop_pauses_and_a_restart_resumes(node: ServerPro
 def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pytest.TempPathFactory,
                                                           linger: str) -> None:
     """Both ways a pause writes its memory layer: through the page cache (the VM is freed at
-    once), and with direct I/O (the VM is parked, orchestrator/parking.py)."""
+    once), and with direct I/O (the VM is parked, orchestrator/parking.py, and the layer is
+    over memory_layers.DIRECT_MIN_BYTES)."""
     mnt = tmp_path_factory.mktemp("pausefull")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320m", "tmpfs", str(mnt)], check=True)
     s = ServerProcess(mnt / "data", node_cidr(21), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
@@ -326,7 +328,7 @@ def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pyte
         s.start()
         with s.client() as api:
             sid = busy_sandbox(api, autoPause=True)
-            run(api, sid, "head -c 20971520 /dev/urandom > /dev/shm/big")
+            run(api, sid, f"head -c {DIRECT_MIN_BYTES + (8 << 20)} /dev/urandom > /dev/shm/big")
             filler = s.data_dir / "filler"
             subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=600"], capture_output=True)
             with open(filler, "r+b") as f:  # leave 4 MiB: the layer write itself runs out of space

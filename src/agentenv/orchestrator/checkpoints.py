@@ -25,7 +25,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
 
 from agentenv.errors import SnapshotUnusable, VmmError
 from agentenv.network import Slot
@@ -47,7 +46,6 @@ from agentenv.vmm import AccelInfo, Machine, MachineSpec
 from agentenv.vmm.spec import spec_to_json
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class Checkpointer:
@@ -186,28 +184,36 @@ class Checkpointer:
         dev_tmp = self.repo.staging_path("dev")
         undo.add("dev", lambda: asyncio.to_thread(dev_tmp.unlink, True))
         # The VM is stopped: QEMU writes its device state while a thread of ours copies its
-        # changed pages out (process_vm_readv), on the other core. Both are awaited to the
-        # end before a failure of either is raised, so no copy outlives its undo.
+        # changed pages out (process_vm_readv) on the other core.
         t0 = time.perf_counter()
-        timings: dict[str, float] = {}
-
-        async def timed(name: str, work: Awaitable[T]) -> T:
+        copy = asyncio.ensure_future(asyncio.to_thread(
+            ml.capture, machine.pid, machine.spec.mem_path, mem_tmp, chain, uncached=uncached,
+            spares=self.repo.spares))
+        try:
+            device_failed: VmmError | None = None
             try:
-                return await work
-            finally:
-                timings[name] = (time.perf_counter() - t0) * 1e3
-
-        info, dev = await asyncio.gather(
-            timed("memory", asyncio.to_thread(ml.capture, machine.pid, machine.spec.mem_path, mem_tmp, chain,
-                                              uncached=uncached, spares=self.repo.spares)),
-            timed("device", machine.save_device_state(dev_tmp)), return_exceptions=True)
-        for outcome in (info, dev):
-            if isinstance(outcome, BaseException):
-                raise outcome
-        assert isinstance(info, ml.LayerInfo)
+                await machine.save_device_state(dev_tmp)
+            except VmmError as exc:
+                device_failed = exc
+            t_device = (time.perf_counter() - t0) * 1e3
+            info = await asyncio.shield(copy)
+            t_memory = (time.perf_counter() - t0) * 1e3
+        except BaseException:
+            # Whatever ends this (the copy's own failure, a cancellation), the copy thread is
+            # waited for: it must not write after the undo removed its file, nor read the VM
+            # after it runs again.
+            await asyncio.wait([copy])
+            raise
+        if device_failed is not None:
+            # Most likely a full disk that the copy made room on (it gives the spare files'
+            # space back and retries): once more, alone, with the disk checked first.
+            log.warning("%s of %s: the device state failed (%s); trying once more", kind, rec.id,
+                        device_failed.message)
+            await asyncio.to_thread(self.repo.ensure_room)
+            await machine.save_device_state(dev_tmp)
         dev_digest = await asyncio.to_thread(ml.whole_file_digest, dev_tmp)
-        log.info("%s of %s: memory %.1f ms, device state %.1f ms (at once), its digest %.1f ms", kind, rec.id,
-                 timings["memory"], timings["device"], (time.perf_counter() - t0) * 1e3 - max(timings.values()))
+        log.info("%s of %s: memory %.1f ms, device state %.1f ms (at once), then its digest %.1f ms", kind,
+                 rec.id, t_memory, t_device, (time.perf_counter() - t0) * 1e3 - max(t_memory, t_device))
         await self.crash_point(f"{kind}_before_publish")
         mem_ref = await asyncio.to_thread(self.repo.import_layer, mem_tmp, "mem", info.digest)
         dev_ref = await asyncio.to_thread(self.repo.import_layer, dev_tmp, "dev", dev_digest)

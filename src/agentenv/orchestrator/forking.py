@@ -265,7 +265,7 @@ async def _from_shell(orch: Orchestrator, cp: Checkpoint, shell: SnapshotShell, 
     started = shell.started
     try:
         await _egress_policy(started.slot, options)  # before the guest runs again
-        started.machine.set_nice(0)  # made in the background: now a live sandbox
+        started.machine.foreground()  # made in the background: now a live sandbox
         await started.machine.qmp("cont")
         # The name it was primed under may have gone to a newer snapshot since (a name moves
         # to the newest snapshot given it): the guest's E2B_TEMPLATE_ID follows the record's.

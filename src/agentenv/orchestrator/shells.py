@@ -58,7 +58,7 @@ class Shell:
         create's env vars; an inline shell gets everything now. Raises GuestError if the agent
         does not answer within ``timeout_s``."""
         if self.frozen:
-            self.machine.set_nice(0)  # made in the background (make_shell): now a live sandbox
+            self.machine.foreground()  # made in the background (make_shell): now a live sandbox
             await self.machine.qmp("cont")
         if "hang_after_restore" in faults:
             await self.machine.qmp("stop")  # injected fault: a guest that never answers

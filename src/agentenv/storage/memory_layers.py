@@ -300,7 +300,9 @@ def capture(pid: int, mem_path: Path, out: Path, chain: Sequence[Path] = (), *, 
     disk raises DiskFull and leaves no file.
 
     ``uncached``: a layer nobody reads soon (a pause whose VM is parked). Its pages go to the
-    disk with direct I/O instead of through the page cache once they come to DIRECT_MIN_BYTES.
+    disk with direct I/O instead of through the page cache once they come to DIRECT_MIN_BYTES
+    (counted before the comparison with a ``chain``: after a restore every restored page is
+    private, so a sandbox that was resumed cold counts its whole restored state).
     On a virtualised host every fresh page-cache page costs a hypervisor fault, so a cached
     write of 200 MiB takes from 150 to 420 ms depending on how much recently freed memory the
     kernel has at hand; direct I/O is steady and leaves no copy in RAM, and a restore then
@@ -650,8 +652,8 @@ def _write_newest(f: BinaryIO, index: _Chain, digest: xxhash.xxh3_128) -> None:
 
 def prefetch(path: Path) -> None:
     """Read a layer into the page cache (in a worker thread, in the background): a sandbox
-    resumed on its parked VM compares its next capture with this layer, which its pause wrote
-    with direct I/O (``capture(uncached=True)``). A plain read, because the kernel's own
+    resumed on its parked VM compares its next capture with this layer, which its pause may
+    have written with direct I/O (``capture(uncached=True)``, a large layer). A plain read, because the kernel's own
     readahead (``POSIX_FADV_WILLNEED``) stops after a few MiB."""
     buf = bytearray(_CHUNK)
     try:

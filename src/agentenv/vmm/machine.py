@@ -24,7 +24,7 @@ from qemu.qmp import QMPClient
 from qemu.qmp.error import QMPError
 
 from agentenv.errors import VmmError
-from agentenv.vmm.priority import set_nice
+from agentenv.vmm import priority
 from agentenv.vmm.spec import MachineSpec, build_argv
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class Machine:
         self._qmp = qmp
         self._exit = asyncio.get_running_loop().create_future()
         self._pidfd: int | None = None
+        self._lowered = False  # launched at a lower CPU priority (vmm/priority.py)
         self._watch()
 
     def __repr__(self) -> str:
@@ -58,8 +59,8 @@ class Machine:
     @classmethod
     async def launch(cls, spec: MachineSpec, nice: int = 0) -> Machine:
         """Start QEMU and connect QMP. Raises VmLaunchFailed with QEMU's own message. ``nice``:
-        its CPU priority from the end of its start-up on (vmm/priority.py; a VM made ahead of
-        time runs behind live ones until ``set_nice(0)``)."""
+        how many nice values below the server it runs from the end of its start-up on
+        (vmm/priority.py: a VM made ahead of time runs behind live ones until ``foreground``)."""
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         spec.sock_dir.mkdir(parents=True, exist_ok=True)
         pidfile = spec.run_dir / "qemu.pid"
@@ -85,10 +86,11 @@ class Machine:
         if launcher.returncode != 0:
             raise VmLaunchFailed(argv, log_path.read_text(errors="replace"))
         pid = int(pidfile.read_text().strip())
-        if nice:
-            set_nice(pid, nice)
+        lowered = priority.lower(pid, nice) if nice else False  # best effort, never raises
         try:
-            return await cls._connect(spec, pid)
+            machine = await cls._connect(spec, pid)
+            machine._lowered = lowered
+            return machine
         except asyncio.CancelledError:
             kill_pid(pid)  # cancelled before QMP was up: nobody holds this QEMU, so it goes
             raise
@@ -179,10 +181,11 @@ class Machine:
             os.close(self._pidfd)
             self._pidfd = None
 
-    def set_nice(self, nice: int) -> None:
-        """Its CPU priority (vmm/priority.py); 0 is that of every live sandbox."""
-        if not self.exited:
-            set_nice(self.pid, nice)
+    def foreground(self) -> None:
+        """Run at the CPU priority of every live sandbox, if it was launched below it."""
+        if self._lowered and not self.exited:
+            priority.restore(self.pid)
+        self._lowered = False
 
     # -- QMP -----------------------------------------------------------------------------
 
