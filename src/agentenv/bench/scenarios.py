@@ -144,16 +144,25 @@ def bench_rollouts(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, l
     return {"rollout_cycle_ms": samples}
 
 
+def _burst(api: httpx.Client, count: int) -> list[str]:
+    """``count`` concurrent creates; their sandbox ids."""
+    with ThreadPoolExecutor(count) as ex:
+        return [sid for sid, _ in ex.map(lambda _i: _create(api), range(count))]
+
+
+def _kill(api: httpx.Client, ids: list[str]) -> None:
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(lambda s: api.delete(f"/sandboxes/{s}"), ids))
+
+
 def bench_burst16(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
     samples = []
     for _ in range(runs):
         _wait_pool(node, api)
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(16) as ex:
-            ids = [sid for sid, _ in ex.map(lambda _i: _create(api), range(16))]
+        ids = _burst(api, 16)
         samples.append(_ms(t0))
-        with ThreadPoolExecutor(8) as ex:
-            list(ex.map(lambda s: api.delete(f"/sandboxes/{s}"), ids))
+        _kill(api, ids)
     return {"create_burst16_ms": samples}
 
 
@@ -201,10 +210,7 @@ def bench_exec_refill(node: LocalNode, api: httpx.Client, runs: int) -> dict[str
     try:
         for _ in range(max(2, runs // 5)):
             _wait_pool(node, api)
-            with ThreadPoolExecutor(16) as ex:
-                ids = [s for s, _ in ex.map(lambda _i: _create(api), range(16))]
-            with ThreadPoolExecutor(8) as ex:
-                list(ex.map(lambda s: api.delete(f"/sandboxes/{s}"), ids))
+            _kill(api, _burst(api, 16))
             for _ in range(10):
                 t0 = time.perf_counter()
                 api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["true"]}).raise_for_status()

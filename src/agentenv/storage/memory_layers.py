@@ -317,14 +317,15 @@ def capture(pid: int, mem_path: Path, out: Path, chain: Sequence[Path] = (), *, 
     """
     start, end = ram_mapping(pid, mem_path)
     runs = private_runs(pid, start, end)
+    page_bytes = sum(c for _, c in runs) * PAGE
     if spares is not None and not chain:
-        spares.take(out, PAGE + sum(c for _, c in runs) * PAGE + len(runs) * _RUN.size)
+        spares.take(out, PAGE + page_bytes + len(runs) * _RUN.size)
+    direct = uncached and page_bytes >= DIRECT_MIN_BYTES
     layers = [LayerFile(p) for p in chain]
     index = _Chain(layers) if layers else None
     try:
         for attempt in range(2):
             try:
-                direct = uncached and sum(c for _, c in runs) * PAGE >= DIRECT_MIN_BYTES
                 return _write_layer(pid, start, end - start, runs, out, index, direct)
             except OSError as exc:
                 out.unlink(missing_ok=True)
@@ -653,8 +654,8 @@ def _write_newest(f: BinaryIO, index: _Chain, digest: xxhash.xxh3_128) -> None:
 def prefetch(path: Path) -> None:
     """Read a layer into the page cache (in a worker thread, in the background): a sandbox
     resumed on its parked VM compares its next capture with this layer, which its pause may
-    have written with direct I/O (``capture(uncached=True)``, a large layer). A plain read, because the kernel's own
-    readahead (``POSIX_FADV_WILLNEED``) stops after a few MiB."""
+    have written with direct I/O (``capture(uncached=True)``, a large layer). A plain read,
+    because the kernel's own readahead (``POSIX_FADV_WILLNEED``) stops after a few MiB."""
     buf = bytearray(_CHUNK)
     try:
         with open(path, "rb", buffering=0) as f:
