@@ -38,6 +38,7 @@ def cpu_nice(pid: int) -> set[int]:
     """The nice values a process runs at, as the scheduler ranks it: each thread's, and its
     session's autogroup's when autogroup scheduling is on (vmm/priority.py)."""
     values = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
-    if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
-        values.add(int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1]))
+    group = Path(f"/proc/{pid}/autogroup").read_text().split()  # empty: the kernel's default group
+    if group and Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+        values.add(int(group[-1]))
     return values

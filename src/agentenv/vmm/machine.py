@@ -86,14 +86,14 @@ class Machine:
         if launcher.returncode != 0:
             raise VmLaunchFailed(argv, log_path.read_text(errors="replace"))
         pid = int(pidfile.read_text().strip())
-        lowered = priority.lower(pid, nice) if nice else False  # best effort, never raises
         try:
+            lowered = priority.lower(pid, nice) if nice else False  # best effort
             machine = await cls._connect(spec, pid)
-            machine._lowered = lowered
-            return machine
-        except asyncio.CancelledError:
-            kill_pid(pid)  # cancelled before QMP was up: nobody holds this QEMU, so it goes
+        except BaseException:
+            kill_pid(pid)  # failed or cancelled before QMP was up: nobody holds this QEMU
             raise
+        machine._lowered = lowered
+        return machine
 
     @classmethod
     async def adopt(cls, spec: MachineSpec) -> Machine:

@@ -45,7 +45,7 @@ def _apply(pid: int, *, autogroup: int, threads: int) -> bool:
         return True
     except ProcessLookupError:
         return False  # gone meanwhile: there is nothing to rank
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 — best effort: a priority never fails a launch
         log.warning("could not set the CPU priority of QEMU %d (%s); it keeps the one it has", pid, exc)
         return False
 
@@ -54,15 +54,26 @@ def _set_autogroup(pid: int, nice: int) -> None:
     """Only a group that is not this server's: the value is the group's, and a process that
     shared ours would rank the server (and all it runs) with it. Written whether autogroups are
     on or not: the value takes effect when they are."""
-    try:
-        group = Path(f"/proc/{pid}/autogroup").read_text().split()[0]
-        own = Path("/proc/self/autogroup").read_text().split()[0]
-    except FileNotFoundError:
+    group = _autogroup(str(pid))
+    if group is None:
         if not Path(f"/proc/{pid}").exists():
-            raise ProcessLookupError(pid) from None
-        return  # a kernel without autogroups
-    if group != own:
+            raise ProcessLookupError(pid)
+        return  # a kernel without autogroups, or a process in the kernel's default group
+    if group != _autogroup("self"):
         Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+
+
+def _autogroup(pid: str) -> str | None:
+    """The name of the autogroup ``pid`` is in (``/autogroup-N``), or None when it is in none
+    of its own. The file reads empty for a process of the kernel's default group: one whose
+    ancestors never started a session, as a server run directly by an init or a CI agent that
+    does not call setsid is (its QEMUs, started with -daemonize, each have a group of their
+    own). It is missing on a kernel built without autogroups."""
+    try:
+        fields = Path(f"/proc/{pid}/autogroup").read_text().split()
+    except FileNotFoundError:
+        return None
+    return fields[0] if fields else None
 
 
 def _set_threads(pid: int, nice: int) -> None:
