@@ -55,6 +55,12 @@ def _other_pytest_running() -> bool:
     return False
 
 
+# A runner that starts the tests as a background job of a non-interactive shell (`cmd &`) hands
+# them SIGINT ignored, and every process they start would inherit that: a Ctrl-C test of `aenv`
+# would then test nothing. Python's own handler makes the children start with the default.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _clean_host() -> None:
     """Sweep only when no other test run is alive: its VMs are not stale."""

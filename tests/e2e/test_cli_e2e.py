@@ -66,6 +66,11 @@ def test_cli_start_with_piped_stdin_runs_it_as_a_script_and_cleans_up(server: Se
     assert sandbox_ids(server) == before
 
 
+# The shell's prompt at the end of the output: readline may follow it with an erase to the end of
+# the line (ESC [ K) when it redraws the line, which changes nothing on the screen.
+PROMPT = r"[$#] (?:\x1b\[K)?$"
+
+
 class Terminal:
     """``aenv`` run on a real pseudo-terminal, as a user's terminal emulator would run it."""
 
@@ -110,7 +115,7 @@ def test_cli_start_on_a_terminal_is_an_interactive_pty_shell(server: ServerProce
     term = Terminal(server, "start")
     try:
         sid = term.expect(r"sandbox (\w+) is running", timeout=300).group(1).decode()
-        prompt = term.expect(r"[$#] $").end()
+        prompt = term.expect(PROMPT).end()
         assert termios.tcgetattr(term.slave)[3] & termios.ICANON == 0, "the local terminal should be raw"
         term.type("echo $((6*7))\r")
         term.expect(r"[\r\n]42\r\n", since=prompt)
@@ -153,13 +158,13 @@ def test_cli_connect_resumes_a_paused_sandbox(server: ServerProcess, api: httpx.
     term = Terminal(server, "connect", sandbox)
     try:
         term.expect(f"connected to sandbox {sandbox}", timeout=120)
-        prompt = term.expect(r"[$#] $").end()
+        prompt = term.expect(PROMPT).end()
         term.type("cat /home/user/marker\r")
         kept = term.expect(r"[\r\n]kept\r\n", since=prompt).end()
         # Ctrl-D at the next prompt: the shell ends with the last status. Typed before that
         # prompt, it would reach the PTY while its line discipline is still canonical (as for
         # any terminal), where it is an end-of-file for `cat`, not a key for bash's readline.
-        term.expect(r"[$#] $", since=kept)
+        term.expect(PROMPT, since=kept)
         term.type("\x04")
         assert term.proc.wait(timeout=60) == 0
     finally:
@@ -169,7 +174,7 @@ def test_cli_connect_resumes_a_paused_sandbox(server: ServerProcess, api: httpx.
     # foreground command end in the sandbox too (they ran on, one shell left per window).
     term = Terminal(server, "connect", sandbox)
     try:
-        prompt = term.expect(r"[$#] $", timeout=120).end()
+        prompt = term.expect(PROMPT, timeout=120).end()
         term.type("sleep 77\r")
         term.expect("sleep 77", since=prompt)
         time.sleep(2)
