@@ -54,3 +54,21 @@ async def test_launch_returns_once_qemu_runs_and_kill_leaves_nothing(tmp_path: P
     finally:
         await machine.kill()
     assert find_qemu_pids(str(tmp_path)) == {}
+
+
+async def test_a_failure_after_qemu_started_kills_it(tmp_path: Path, ram: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever fails between QEMU's start and a connected Machine (here: the step that ranks
+    a VM made ahead of time, made to raise) leaves no QEMU running. Before, an error there
+    left the process behind with nobody holding it, one per warm-pool refill."""
+    arts = artifacts_present(CACHE)
+    assert arts is not None
+    disk = await create_overlay(tmp_path / "disk.qcow2", arts.rootfs, "raw")
+
+    def broken(pid: int, steps: int) -> bool:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr("agentenv.vmm.machine.priority.lower", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        await Machine.launch(_spec(tmp_path, disk, ram), nice=10)
+    assert find_qemu_pids(str(tmp_path)) == {}
