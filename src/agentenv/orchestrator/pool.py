@@ -21,6 +21,13 @@ log = logging.getLogger(__name__)
 
 ShellFactory = Callable[[TemplateSnapshot], Awaitable[Shell]]
 
+# After a failed refill a template's shells are tried again in RETRY_S, then twice, four times
+# as long, at most MAX_RETRY_S, while the failures go on: a lasting fault (a broken image, a
+# full disk, a QEMU that cannot start) costs a launch and a log line every 8 s instead of
+# every second, and the other templates' refills do not wait for it.
+RETRY_S = 1.0
+MAX_RETRY_S = 8.0
+
 
 class WarmPool:
     def __init__(self, size: int, factory: ShellFactory, slots: SlotPool, fill_concurrency: int = 2,
@@ -39,6 +46,8 @@ class WarmPool:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._destroying: set[asyncio.Task[None]] = set()
+        self._failures: dict[Path, int] = {}  # failed refills in a row, per template snapshot
+        self._retry_at: dict[Path, float] = {}  # (loop time) no refill of that template before
 
     def take(self, snapshot: TemplateSnapshot) -> Shell | None:
         """A ready shell for this snapshot, or None. Marks the snapshot hot."""
@@ -77,6 +86,8 @@ class WarmPool:
     async def forget(self, snapshot_dir: Path) -> None:
         """Stop keeping shells of a template snapshot (its template was deleted) and destroy them."""
         self._hot.pop(snapshot_dir, None)
+        self._failures.pop(snapshot_dir, None)
+        self._retry_at.pop(snapshot_dir, None)
         for s in self._shells.pop(snapshot_dir, []):
             await s.destroy(self._slots)
 
@@ -109,13 +120,19 @@ class WarmPool:
     async def _keeper(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):  # memory is looked at even when nothing wakes us
-                await asyncio.wait_for(self._wake.wait(), self.check_interval_s)
+                await asyncio.wait_for(self._wake.wait(), self._next_look())
             self._wake.clear()
             if await self._shrink():
                 continue
             for key, snap in list(self._hot.items()):
                 if not await self._fill(key, snap):
                     break  # the host is short of memory: the next pass tries every template again
+
+    def _next_look(self) -> float:
+        """Seconds until the keeper looks again unwoken: its interval, or sooner when a
+        template's retry falls due."""
+        now = asyncio.get_running_loop().time()
+        return max(0.0, min([self.check_interval_s, *(at - now for at in self._retry_at.values())]))
 
     async def _shrink(self) -> bool:
         """While the host is below its memory reserve, destroy ready shells one at a time (from
@@ -133,6 +150,9 @@ class WarmPool:
         if key not in self._hot:  # forgotten during this pass of the keeper
             return True
         shells = self._shells.setdefault(key, [])
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._retry_at.get(key, 0.0):
+            return True  # its last refill failed: not before its retry time
         while len(shells) < self.size and snap.mem_file.exists():
             if not self._may_grow():
                 if not self._short:  # said once per episode, not every 5 s while it lasts
@@ -155,8 +175,12 @@ class WarmPool:
                 return True
             shells.extend(made)
             if failed:
-                log.error("warm pool could not make a shell for %s: %r", key, failed[0])
-                await asyncio.sleep(1.0)
-                self._wake.set()
+                n = self._failures[key] = self._failures.get(key, 0) + 1
+                delay = min(MAX_RETRY_S, RETRY_S * 2 ** (n - 1))
+                self._retry_at[key] = loop.time() + delay
+                log.error("warm pool could not make a shell for %s (%d failed refill%s in a row; "
+                          "next try in %.0f s): %r", key, n, "" if n == 1 else "s", delay, failed[0])
                 break
+            self._failures.pop(key, None)
+            self._retry_at.pop(key, None)
         return True
