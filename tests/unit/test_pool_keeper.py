@@ -97,3 +97,111 @@ def test_failing_refills_back_off_and_do_not_hold_up_other_templates(
             await pool.stop()
 
     asyncio.run(main())
+
+
+class StuckShell(StandInShell):
+    """A shell whose QEMU does not die: its destroy fails (as Machine.kill's VmmError)."""
+
+    sandbox_id = "stuck"
+
+    async def destroy(self, _slots: object) -> None:
+        raise RuntimeError("injected: QEMU did not exit after SIGKILL")
+
+
+def test_one_shell_that_cannot_be_destroyed_does_not_stop_the_others_or_the_keeper(tmp_path: Path) -> None:
+    """Before, the first failed destroy ended `forget` (the shells after it kept running with
+    nobody holding them) and, in a pass of the keeper, the keeper itself (no refill again)."""
+    async def main() -> None:
+        a = StandInSnapshot(tmp_path / "a")
+        destroyed: list[StandInShell] = []
+        made = 0
+        shrink = True
+
+        async def factory(snap: StandInSnapshot) -> StandInShell:
+            nonlocal made
+            made += 1
+            return StuckShell(snap, destroyed) if made == 1 else StandInShell(snap, destroyed)
+
+        pool = WarmPool(3, factory, slots=None, check_interval_s=0.05,  # type: ignore[arg-type]
+                        must_shrink=lambda: shrink, may_grow=lambda: not shrink)
+        pool._shells[a.dir] = [StandInShell(a, destroyed), StuckShell(a, destroyed), StandInShell(a, destroyed)]  # type: ignore[list-item]
+        pool._hot[a.dir] = a  # type: ignore[assignment]
+        pool.start()
+        try:
+            await asyncio.sleep(0.3)  # the keeper gives every shell back; one destroy fails
+            assert len(destroyed) == 2 and not pool._shells[a.dir]
+            shrink = False
+            for _ in range(80):  # (a keeper that found the host short waits 5 s before it looks again)
+                if pool.fill_level() == (3, 3):
+                    break
+                await asyncio.sleep(0.1)
+            assert pool.fill_level() == (3, 3), "the keeper stopped after a failed destroy"
+            destroyed.clear()
+            await pool.forget(a.dir)
+            assert len(destroyed) == 2, "a failed destroy kept the shells after it"
+        finally:
+            await pool.stop()
+
+    asyncio.run(main())
+
+
+def test_a_due_retry_of_a_template_without_its_memory_file_does_not_spin_the_keeper(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_module, "RETRY_S", 0.05)
+
+    async def main() -> None:
+        a = StandInSnapshot(tmp_path / "a")
+
+        async def factory(snap: StandInSnapshot) -> StandInShell:
+            raise RuntimeError("injected")
+
+        pool = WarmPool(1, factory, slots=None, check_interval_s=0.5)  # type: ignore[arg-type]
+        passes = 0
+        shrink = pool._shrink
+
+        async def counted() -> bool:
+            nonlocal passes
+            passes += 1
+            return await shrink()
+
+        pool._shrink = counted  # type: ignore[method-assign]
+        pool.warm(a)  # type: ignore[arg-type]
+        pool.start()
+        try:
+            await asyncio.sleep(0.02)  # one refill failed: a retry is due in 0.05 s
+            a.mem_file.unlink()  # (the snapshot was removed meanwhile)
+            await asyncio.sleep(1.0)
+            assert passes < 10, f"{passes} passes of the keeper in a second"
+        finally:
+            await pool.stop()
+
+    asyncio.run(main())
+
+
+def test_a_pool_stopped_while_it_makes_shells_destroys_those_made(tmp_path: Path) -> None:
+    async def main() -> None:
+        a = StandInSnapshot(tmp_path / "a")
+        destroyed: list[StandInShell] = []
+        calls = 0
+        slow_cancelled = asyncio.Event()
+
+        async def factory(snap: StandInSnapshot) -> StandInShell:
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # the second of the batch is still restoring when the pool stops
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    slow_cancelled.set()
+                    raise
+            return StandInShell(snap, destroyed)
+
+        pool = WarmPool(2, factory, slots=None, fill_concurrency=2, check_interval_s=5.0)  # type: ignore[arg-type]
+        pool.warm(a)  # type: ignore[arg-type]
+        pool.start()
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(pool.stop(), 5)
+        assert slow_cancelled.is_set()
+        assert len(destroyed) == 1, "the shell made before the stop was left running"
+
+    asyncio.run(main())

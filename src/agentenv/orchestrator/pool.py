@@ -75,11 +75,11 @@ class WarmPool:
         fullest = max(self._shells.values(), key=len, default=[])
         if not fullest:
             return False
-        await fullest.pop().destroy(self._slots)
+        await self._destroy_all([fullest.pop()])  # gone from the pool even if its QEMU would not die
         return True
 
     def _destroy_later(self, shell: Shell) -> None:
-        task = asyncio.get_running_loop().create_task(shell.destroy(self._slots))
+        task = asyncio.get_running_loop().create_task(self._destroy_all([shell]))
         self._destroying.add(task)
         task.add_done_callback(self._destroying.discard)
 
@@ -88,8 +88,14 @@ class WarmPool:
         self._hot.pop(snapshot_dir, None)
         self._failures.pop(snapshot_dir, None)
         self._retry_at.pop(snapshot_dir, None)
-        for s in self._shells.pop(snapshot_dir, []):
-            await s.destroy(self._slots)
+        await self._destroy_all(self._shells.pop(snapshot_dir, []))
+
+    async def _destroy_all(self, shells: list[Shell]) -> None:
+        """Each on its own: one that fails (a QEMU that does not die) does not keep the others."""
+        results = await asyncio.gather(*(s.destroy(self._slots) for s in shells), return_exceptions=True)
+        for shell, r in zip(shells, results, strict=True):
+            if isinstance(r, BaseException):
+                log.error("warm pool: could not destroy shell %s: %r", shell.sandbox_id, r)
 
     def warm(self, snapshot: TemplateSnapshot) -> None:
         self._hot[snapshot.dir] = snapshot
@@ -101,14 +107,10 @@ class WarmPool:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        for shells in self._shells.values():
-            for s in shells:
-                await s.destroy(self._slots)
+            await asyncio.gather(self._task, return_exceptions=True)
+        shells = [s for kept in self._shells.values() for s in kept]
         self._shells.clear()
+        await self._destroy_all(shells)
         if self._destroying:
             await asyncio.gather(*self._destroying, return_exceptions=True)
 
@@ -122,11 +124,30 @@ class WarmPool:
             with contextlib.suppress(TimeoutError):  # memory is looked at even when nothing wakes us
                 await asyncio.wait_for(self._wake.wait(), self._next_look())
             self._wake.clear()
-            if await self._shrink():
-                continue
-            for key, snap in list(self._hot.items()):
-                if not await self._fill(key, snap):
-                    break  # the host is short of memory: the next pass tries every template again
+            try:
+                if await self._shrink():
+                    continue
+                for key, snap in list(self._hot.items()):
+                    if not await self._fill(key, snap):
+                        break  # the host is short of memory: the next pass tries every template again
+            except Exception:  # noqa: BLE001 — the keeper must outlive any one pass (e.g. a destroy that failed)
+                log.exception("warm pool: keeping shells failed; trying again")
+                await asyncio.sleep(1.0)
+
+    async def _make_batch(self, snap: TemplateSnapshot, count: int) -> list[Shell | BaseException]:
+        """``count`` shells made at once, each a shell or the error that stopped it. Cancelled
+        (the pool stops), it cancels those still being made (each undoes its own work) and
+        destroys those already made: nothing else holds them."""
+        tasks = [asyncio.ensure_future(self._factory(snap)) for _ in range(count)]
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks)
+            await self._destroy_all([t.result() for t in tasks if not t.cancelled() and t.exception() is None])
+            raise
+        return [t.exception() or t.result() for t in tasks]  # type: ignore[misc]
 
     def _next_look(self) -> float:
         """Seconds until the keeper looks again unwoken: its interval, or sooner when a
@@ -151,8 +172,10 @@ class WarmPool:
             return True
         shells = self._shells.setdefault(key, [])
         loop = asyncio.get_running_loop()
-        if loop.time() < self._retry_at.get(key, 0.0):
-            return True  # its last refill failed: not before its retry time
+        if (at := self._retry_at.get(key)) is not None:
+            if loop.time() < at:
+                return True  # its last refill failed: not before its retry time
+            del self._retry_at[key]  # due: tried now (an entry left due would make the keeper spin)
         while len(shells) < self.size and snap.mem_file.exists():
             if not self._may_grow():
                 if not self._short:  # said once per episode, not every 5 s while it lasts
@@ -165,13 +188,11 @@ class WarmPool:
                 log.info("warm pool: memory is available again; refilling")
                 self._short = False
             batch = min(self.fill_concurrency, self.size - len(shells))
-            results = await asyncio.gather(*(self._factory(snap) for _ in range(batch)),
-                                           return_exceptions=True)
+            results = await self._make_batch(snap, batch)
             failed = [r for r in results if isinstance(r, BaseException)]
             made = [r for r in results if isinstance(r, Shell)]
             if self._shells.get(key) is not shells:  # forgotten meanwhile (its template deleted)
-                for shell in made:
-                    await shell.destroy(self._slots)
+                await self._destroy_all(made)
                 return True
             shells.extend(made)
             if failed:

@@ -46,10 +46,16 @@ class Shell:
     frozen: bool = True  # primed and stopped (pool) or already running (made inline)
 
     async def destroy(self, slots: SlotPool) -> None:
-        await self.envd.aclose()
-        await self.machine.kill()
-        await slots.release(self.slot)
-        await remove_tree(self.run_dir)
+        """Everything the shell holds goes, each part even when one before it failed (a QEMU
+        that does not die still gives back its slot and run dir); the first error is raised."""
+        try:
+            await self.envd.aclose()
+            await self.machine.kill()
+        finally:
+            try:
+                await slots.release(self.slot)
+            finally:
+                await remove_tree(self.run_dir)
 
     async def activate(self, *, template: str, env_vars: dict[str, str], timeout_s: float,
                        faults: frozenset[str] = frozenset()) -> None:
