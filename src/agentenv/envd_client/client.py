@@ -26,6 +26,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 
+from agentenv.envd_client.transport import GuestTransport
+
 __all__ = ["CommandResult", "EnvdClient", "EnvdError", "EnvdUnavailable", "ProcessEvent"]
 
 # HTTP status -> Connect code, for plain (non-Connect) error responses (reference §3.4).
@@ -150,29 +152,32 @@ class EnvdClient:
     """Talks to one guest agent at ``base_url`` (``http://<ip>:49983``)."""
 
     def __init__(self, base_url: str, access_token: str | None = None, timeout: float = 30.0, *,
-                 headers: dict[str, str] | None = None, trust_env: bool = True) -> None:
+                 headers: dict[str, str] | None = None, trust_env: bool = True, guest: bool = False) -> None:
         """``headers`` go with every request: e.g. ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` to reach an
         envd through a sandbox proxy at ``base_url``. ``trust_env=False`` ignores HTTP(S)_PROXY."""
         self.base_url = base_url.rstrip("/")
         self.access_token = access_token
         self.timeout = timeout
+        # 256: the sandbox proxy shares this pool, and every streamed command or watch of an
+        # SDK holds a connection while it lasts.
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=16, keepalive_expiry=300.0)
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout),
-            # 256: the sandbox proxy shares this pool, and every streamed command or watch of an
-            # SDK holds a connection while it lasts.
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=16, keepalive_expiry=300.0),
+            limits=limits,
             headers=headers, trust_env=trust_env,
             # Plain HTTP (a guest, or a server without TLS) needs no TLS context: building the
             # default one (loading the CA bundle) costs ~50 ms, on every sandbox's first request.
             verify=self.base_url.startswith("https:"),
+            # A guest, straight: httpcore on plain asyncio (transport.py), not on anyio.
+            transport=GuestTransport(limits) if guest else None,
         )
 
     @classmethod
     def for_guest(cls, url: str, access_token: str | None = None) -> EnvdClient:
         """A client for a sandbox's agent, reached directly on its host-side address: never
         through an HTTP(S)_PROXY the server's environment may name."""
-        return cls(url, access_token, trust_env=False)
+        return cls(url, access_token, trust_env=False, guest=True)
 
     @property
     def http(self) -> httpx.AsyncClient:
