@@ -7,6 +7,7 @@ Slot ``i`` owns the /30 number ``i`` of the slot CIDR: ``.1`` on the host side o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 from collections.abc import Collection
@@ -186,9 +187,15 @@ async def create_slot(slot: Slot) -> Slot:
     try:
         await run(["ip", "-batch", "-"], input=host_cmds.encode())
         await run(["ip", "netns", "exec", slot.netns, "sh", "-c", ns_script])
-    except ExternalCommandError as exc:
-        await destroy_slot(slot)
-        raise NetworkError(f"cannot create network slot {slot.netns}: {exc.message}") from exc
+    except BaseException as exc:
+        # Whatever stopped it (a command that failed, one that could not start, a cancelled
+        # create): what was made goes, or the next slot of this index would meet it ("File
+        # exists"). Shielded, so that a cancellation does not cut the clean-up short.
+        with contextlib.suppress(Exception):
+            await asyncio.shield(destroy_slot(slot))
+        if isinstance(exc, ExternalCommandError):
+            raise NetworkError(f"cannot create network slot {slot.netns}: {exc.message}") from exc
+        raise
     return slot
 
 
