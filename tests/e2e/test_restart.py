@@ -75,3 +75,29 @@ def test_stop_while_the_pool_fills_leaves_no_process(tmp_path: Path) -> None:
         assert host.sandbox_dirs(s.data_dir) == set()
     finally:
         s.kill_all()
+
+
+def test_a_sandbox_whose_qemu_does_not_answer_fails_readoption_without_holding_up_the_start(tmp_path: Path) -> None:
+    """A QEMU stopped (SIGSTOP) while the server was down takes the QMP connection but never
+    greets: before, the server's start waited on it for good."""
+    import time
+
+    s = ServerProcess(tmp_path / "data", node_cidr(45))
+    s.start()
+    try:
+        with s.client() as api:
+            stuck = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+            fine = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+            (pid,) = host.qemu_pids(stuck)
+        s.stop(signal.SIGKILL)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        s.start(timeout=90)
+        assert time.monotonic() - t0 < 60
+        with s.client() as api:
+            r = api.get(f"/sandboxes/{stuck}")
+            assert r.status_code == 410 and "QMP" in r.json()["error"], r.text
+            assert host.qemu_gone(stuck), "the QEMU that did not answer was left running"
+            assert run(api, fine, "echo ok")["stdout"] == "ok\n"
+    finally:
+        s.kill_all()

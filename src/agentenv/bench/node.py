@@ -124,10 +124,18 @@ class LocalNode:
         through the API, and a stopped server leaves running sandboxes for its next start by
         design: whatever QEMU or namespace of this node is left after the stop is removed here."""
         if self.proc is not None:
-            with self.client() as c:
-                for sb in all_sandboxes(c):
-                    c.delete(f"/sandboxes/{sb['sandboxID']}")
-            self.stop()
+            try:
+                with self.client() as c:
+                    for sb in all_sandboxes(c):
+                        c.delete(f"/sandboxes/{sb['sandboxID']}")
+            except httpx.HTTPError:  # a server that does not answer: what it left goes below
+                pass
+            proc = self.proc
+            try:
+                self.stop()
+            except subprocess.TimeoutExpired:  # a server stuck in its stop: it goes too
+                proc.kill()
+                proc.wait()
         settings = Settings(data_dir=self.data_dir)
         for pid in qemu_pids(str(self.data_dir)):
             kill_pid(pid)

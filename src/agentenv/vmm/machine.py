@@ -29,6 +29,10 @@ from agentenv.vmm.spec import MachineSpec, build_argv
 
 log = logging.getLogger(__name__)
 
+# A QEMU that takes the connection but never greets (stopped, or stuck in the kernel) is not
+# one to drive: without a bound, adopting it held up the server's start for good.
+QMP_CONNECT_TIMEOUT_S = 10.0
+
 
 class VmLaunchFailed(VmmError):
     """QEMU did not start; carries its command line and output."""
@@ -112,10 +116,11 @@ class Machine:
     async def _connect(cls, spec: MachineSpec, pid: int) -> Machine:
         qmp = QMPClient(spec.name)
         try:
-            await qmp.connect(str(spec.qmp_path))
-        except (QMPError, OSError) as exc:
+            await asyncio.wait_for(qmp.connect(str(spec.qmp_path)), QMP_CONNECT_TIMEOUT_S)
+        except (QMPError, OSError, TimeoutError) as exc:
             kill_pid(pid)
-            raise VmmError(f"cannot connect QMP of {spec.name}: {exc}") from exc
+            why = f"no QMP greeting within {QMP_CONNECT_TIMEOUT_S:.0f} s" if isinstance(exc, TimeoutError) else exc
+            raise VmmError(f"cannot connect QMP of {spec.name}: {why}") from exc
         return cls(spec, pid, qmp)
 
     def _watch(self) -> None:
