@@ -114,6 +114,26 @@ def test_debian_image_template_has_its_python_and_defaults(api: httpx.Client, im
         api.delete(f"/sandboxes/{sid}")
 
 
+def test_a_pull_under_a_name_already_taken_updates_the_template(api: httpx.Client, images) -> None:
+    """Before, creates went on starting from the first image's template snapshot (cached by
+    name and shape) for as long as its memory file existed."""
+    assert api.post("/images/pull", json={"image": images["busybox"].ref, "name": "moving"}).status_code == 201
+    sid = _sandbox(api, "moving")
+    try:
+        assert run(api, sid, "echo $AENV_TEST")["stdout"] == "busybox\n"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    r = api.post("/images/pull", json={"image": images["debian"].ref, "name": "moving"})
+    assert r.status_code == 201 and r.json()["image"]["digest"] == images["debian"].digest, r.text
+    sid = _sandbox(api, "moving")
+    try:
+        out = run(api, sid, "echo $AENV_TEST; python3 -c 'print(1)'")
+        assert out["stdout"].split() == ["debian", "1"], out
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    assert api.delete("/templates/moving").status_code == 204
+
+
 def test_private_registry_needs_the_right_credentials(api: httpx.Client, images, registries) -> None:
     ref, host = images["private"].ref, registries[1].host
     r = api.post("/images/pull", json={"image": ref, "name": "secret"})

@@ -126,8 +126,10 @@ class SnapshotBuilder:
         self.accel = accel
         self.boot_timeout_s = boot_timeout_s
         self.tb_size_mb = tb_size_mb
-        self._locks: dict[tuple[str, int, int], asyncio.Lock] = {}
-        self._cache: dict[tuple[str, int, int], TemplateSnapshot] = {}
+        self._locks: dict[Path, asyncio.Lock] = {}
+        # By snapshot dir, which names everything the boot depends on: a template updated under
+        # its name (a pull of a newer image) is a new key, never the old image's snapshot.
+        self._cache: dict[Path, TemplateSnapshot] = {}
 
     def snapshot_dir(self, t: Template, vcpus: int, memory_mb: int) -> Path:
         """Named after everything the boot depends on, so a change makes a new snapshot."""
@@ -178,7 +180,7 @@ class SnapshotBuilder:
 
     def forget(self, template: str) -> None:
         """Drop cached lookups of a deleted template (its files go with ``remove_stale``)."""
-        for key in [k for k in self._cache if k[0] == template]:
+        for key in [k for k in self._cache if k.parent.parent.name == template]:
             del self._cache[key]
 
     def dirs_of(self, template: str) -> list[Path]:
@@ -186,13 +188,12 @@ class SnapshotBuilder:
 
     async def get(self, t: Template, vcpus: int, memory_mb: int) -> TemplateSnapshot:
         """The snapshot for this shape, building it on first use (concurrent callers wait)."""
-        key = (t.name, vcpus, memory_mb)
+        d = key = self.snapshot_dir(t, vcpus, memory_mb)
         snap = self._cache.get(key)
         if snap and snap.mem_file.exists():
             return snap
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            d = self.snapshot_dir(t, vcpus, memory_mb)
             snap = TemplateSnapshot.load(d)
             if snap is None:
                 snap = await self._build(t, vcpus, memory_mb, d)
