@@ -223,6 +223,9 @@ def test_templates_and_metrics_of_several_sandboxes(sdk: SDK, api: httpx.Client)
     # A third whose guest agent is gone (stopped with its supervisor, so nothing restarts it):
     # its metrics cannot be read, and it is left out of the batch, which answers for the others.
     dead = _create(api, timeout=60)["sandboxID"]
+    # A fourth whose guest tools print what the metrics do not expect (the user's to change:
+    # here `stat`): left out too. Before, its parse error made the whole batch a 500.
+    odd = _create(api, timeout=60)["sandboxID"]
     try:
         r = api.post(f"/sandboxes/{dead}/exec", json={"user": "root", "cmd": (
             f"nohup python3 -c {shlex.quote(STOP_AGENT)} >/dev/null 2>&1 &")})
@@ -231,14 +234,20 @@ def test_templates_and_metrics_of_several_sandboxes(sdk: SDK, api: httpx.Client)
         while api.post(f"/sandboxes/{dead}/exec", json={"cmd": "true"}).status_code < 500:
             assert time.monotonic() < deadline, "the guest agent still answers"
             time.sleep(0.5)
-        r = api.get("/sandboxes/metrics", params={"sandbox_ids": ",".join([*ids, dead, "inotthere"])})
+        r = api.post(f"/sandboxes/{odd}/exec", json={"user": "root", "cmd": (
+            "mv /usr/bin/stat /usr/bin/stat.real && printf '#!/bin/sh\\necho not numbers\\n' > /usr/bin/stat"
+            " && chmod +x /usr/bin/stat && stat -f /")})
+        assert r.json()["stdout"] == "not numbers\n", r.text
+        r = api.get("/sandboxes/metrics", params={"sandbox_ids": ",".join([*ids, odd, dead, "inotthere"])})
         assert r.status_code == 200, r.text
         got = r.json()["sandboxes"]
         assert sorted(got) == sorted(ids)
         for m in got.values():
             assert m["cpuCount"] == 1 and 0 < m["memUsed"] < m["memTotal"] and 0 < m["diskUsed"] < m["diskTotal"]
+        r = api.get(f"/sandboxes/{odd}/metrics")
+        assert r.status_code >= 500 and "metrics did not read as expected" in r.json()["message"], r.text
     finally:
-        for sid in [*ids, dead]:
+        for sid in [*ids, dead, odd]:
             api.delete(f"/sandboxes/{sid}")
 
 

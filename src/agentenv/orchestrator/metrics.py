@@ -49,15 +49,19 @@ async def _sample(live: LiveSandbox) -> dict[str, Any]:
     lines = res.stdout.decode().splitlines()
     if res.exit_code != 0 or len(lines) < 6:
         raise PlatformError(f"sandbox {live.id}: could not read guest metrics: {res.stderr.decode()[-300:]}")
-    a = [int(x) for x in lines[0].split()[1:]]
-    b = [int(x) for x in lines[1].split()[1:]]
-    total = sum(b) - sum(a)
-    idle = (b[3] + b[4]) - (a[3] + a[4])  # idle + iowait
-    mem = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines[2:5]}
-    bsize, blocks, free = (int(x) for x in lines[5].split())
+    try:
+        a = [int(x) for x in lines[0].split()[1:]]
+        b = [int(x) for x in lines[1].split()[1:]]
+        total = sum(b) - sum(a)
+        idle = (b[3] + b[4]) - (a[3] + a[4])  # idle + iowait
+        mem = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines[2:5]}
+        bsize, blocks, free = (int(x) for x in lines[5].split())
+        used, cached = mem["MemTotal"] - mem["MemAvailable"], mem["Cached"]
+    except (ValueError, IndexError, KeyError) as exc:  # the guest's tools are the user's to change
+        raise PlatformError(f"sandbox {live.id}: its guest metrics did not read as expected ({exc!r})") from exc
     return {
         "timestampUnix": int(time.time()), "cpuCount": live.record.vcpus,
         "cpuUsedPct": round(100.0 * (total - idle) / total, 2) if total > 0 else 0.0,
-        "memUsed": mem["MemTotal"] - mem["MemAvailable"], "memTotal": mem["MemTotal"],
-        "memCache": mem["Cached"], "diskUsed": (blocks - free) * bsize, "diskTotal": blocks * bsize,
+        "memUsed": used, "memTotal": mem["MemTotal"],
+        "memCache": cached, "diskUsed": (blocks - free) * bsize, "diskTotal": blocks * bsize,
     }
