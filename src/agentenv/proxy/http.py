@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from agentenv.envd_client import EnvdError
+from agentenv.envd_client.transport import GuestTransport
 from agentenv.errors import NotFound, SandboxStateError
 from agentenv.orchestrator import GUEST_UP, Orchestrator, State
 from agentenv.proxy import websocket
@@ -189,10 +190,11 @@ class SandboxProxy:
             await c.aclose()
         client = self._clients.get(sandbox_id)
         if client is None:
+            limits = httpx.Limits(max_connections=256, max_keepalive_connections=16, keepalive_expiry=300.0)
             client = self._clients[sandbox_id] = httpx.AsyncClient(
-                limits=httpx.Limits(max_connections=256, max_keepalive_connections=16, keepalive_expiry=300.0),
-                follow_redirects=False, trust_env=False,
-                verify=False)  # plain HTTP to the guest: no TLS context to build (~50 ms per client)
+                limits=limits, follow_redirects=False, trust_env=False,
+                verify=False,  # plain HTTP to the guest: no TLS context to build (~50 ms per client)
+                transport=GuestTransport(limits))  # as the agent's port (envd_client/transport.py)
         return client
 
     async def forward_loopback(self, sandbox_id: str, port: int) -> bool:
