@@ -11,11 +11,11 @@ from agentenv.bench.scenarios import SCENARIOS
 
 
 def test_e2b_metrics_registered() -> None:
-    for name in ("e2b_tti_ms", "e2b_tti_burst50_ms", "e2b_exec_rtt_ms", "guest_bash_true_ms", "upload_100mb_s",
-                 "download_100mb_s"):
+    for name in ("e2b_tti_ms", "e2b_tti_burst50_ms", "e2b_exec_rtt_ms", "guest_bash_true_ms",
+                 "e2b_exec_server_cpu_ms", "upload_100mb_s", "download_100mb_s"):
         assert name in SCENARIOS
         assert SCENARIOS[name].__module__ == "agentenv.bench.e2b_sdk"
-    assert SCENARIOS["e2b_exec_rtt_ms"] is SCENARIOS["guest_bash_true_ms"]
+    assert SCENARIOS["e2b_exec_rtt_ms"] is SCENARIOS["guest_bash_true_ms"] is SCENARIOS["e2b_exec_server_cpu_ms"]
     assert SCENARIOS["upload_100mb_s"] is SCENARIOS["download_100mb_s"]
 
 

@@ -14,7 +14,10 @@ are not in any figure, and prints one JSON object of samples as its last line.
   burst (until the last one has answered); ``max(1, min(3, runs // 4))`` bursts.
 - ``e2b_exec_rtt_ms``: ``commands.run("true")`` on a live sandbox, ``max(runs * 10, 50)``
   samples; with its baseline ``guest_bash_true_ms``, the guest's own time for
-  ``bash -l -c true`` (how envd runs a command), timed inside the guest 20 times.
+  ``bash -l -c true`` (how envd runs a command), timed inside the guest 20 times; and
+  ``e2b_exec_server_cpu_ms``, the server process's CPU time (user + system, from
+  ``/proc/PID/stat``) per such call, averaged over each 10 calls: the sandbox proxy's cost
+  per command, which on a small host shares the cores with the emulated guest.
 - ``upload_100mb_s`` / ``download_100mb_s``: seconds to ``files.write`` / ``files.read(format=
   "bytes")`` 100 MB (10^8 random bytes) to / from ``/home/user``; ``min(runs, 3)`` runs.
 """
@@ -60,6 +63,11 @@ def ms(t0):
     return (time.perf_counter() - t0) * 1000
 
 
+def server_cpu_ms():
+    fields = open(f"/proc/{os.environ['AENV_BENCH_SERVER_PID']}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
 def tti():
     sb = Sandbox.create(timeout=300)
     r = sb.commands.run("echo hi")
@@ -100,11 +108,15 @@ elif mode == "exec":
     try:
         wait_pool()  # measure without the pool refilling on the other core
         sb.commands.run("true")  # first call opens the connection
-        out["e2b_exec_rtt_ms"] = []
-        for _ in range(n):
+        out["e2b_exec_rtt_ms"], out["e2b_exec_server_cpu_ms"] = [], []
+        for i in range(n):
+            if i % 10 == 0:
+                cpu0 = server_cpu_ms()
             t0 = time.perf_counter()
             sb.commands.run("true")
             out["e2b_exec_rtt_ms"].append(ms(t0))
+            if i % 10 == 9:
+                out["e2b_exec_server_cpu_ms"].append((server_cpu_ms() - cpu0) / 10)
         script = ("import subprocess,time\nts=[]\nfor _ in range(20):\n t=time.perf_counter();"
                   " subprocess.run(['bash','-l','-c','true']); ts.append((time.perf_counter()-t)*1000)\n"
                   "print(*ts)")
@@ -150,6 +162,8 @@ def run_sdk(node: LocalNode, mode: str, n: int, timeout: float = 3600) -> dict[s
     py = sdk_python()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "PYTHON", "VIRTUAL_ENV"))}
     env.update(E2B_API_KEY=node.api_key, E2B_API_URL=node.url, E2B_SANDBOX_URL=node.url, E2B_DOMAIN=DOMAIN)
+    assert node.proc is not None
+    env["AENV_BENCH_SERVER_PID"] = str(node.proc.pid)  # (setpriv execs the server: the same process)
     with tempfile.NamedTemporaryFile("w", suffix=".py", prefix="aenv-bench-e2b-") as f:
         f.write(PROGRAM)
         f.flush()

@@ -328,6 +328,7 @@ SCENARIOS: dict[str, Scenario] = {
     "e2b_tti_burst50_ms": bench_e2b_burst50,
     "e2b_exec_rtt_ms": bench_e2b_exec,
     "guest_bash_true_ms": bench_e2b_exec,
+    "e2b_exec_server_cpu_ms": bench_e2b_exec,
     "upload_100mb_s": bench_e2b_transfer,
     "download_100mb_s": bench_e2b_transfer,
     # issue #5: templates from images (bench/images.py)
