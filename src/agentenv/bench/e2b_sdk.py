@@ -15,9 +15,9 @@ are not in any figure, and prints one JSON object of samples as its last line.
 - ``e2b_exec_rtt_ms``: ``commands.run("true")`` on a live sandbox, ``max(runs * 10, 50)``
   samples; with its baseline ``guest_bash_true_ms``, the guest's own time for
   ``bash -l -c true`` (how envd runs a command), timed inside the guest 20 times; and
-  ``e2b_exec_server_cpu_ms``, the server process's CPU time (user + system, from
-  ``/proc/PID/stat``) per such call, averaged over each 10 calls: the sandbox proxy's cost
-  per command, which on a small host shares the cores with the emulated guest.
+  ``e2b_exec_server_cpu_ms``, the server process's CPU time (its threads' run time, from
+  ``/proc/PID/task/*/schedstat``) per such call, averaged over each 10 calls: the sandbox
+  proxy's cost per command, which on a small host shares the cores with the emulated guest.
 - ``upload_100mb_s`` / ``download_100mb_s``: seconds to ``files.write`` / ``files.read(format=
   "bytes")`` 100 MB (10^8 random bytes) to / from ``/home/user``; ``min(runs, 3)`` runs.
 """
@@ -64,8 +64,16 @@ def ms(t0):
 
 
 def server_cpu_ms():
-    fields = open(f"/proc/{os.environ['AENV_BENCH_SERVER_PID']}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+    """CPU time of the server's threads in ms, to the nanosecond (schedstat; /proc/PID/stat
+    counts 10 ms ticks). A thread that ended meanwhile is not counted."""
+    task = f"/proc/{os.environ['AENV_BENCH_SERVER_PID']}/task"
+    total = 0
+    for tid in os.listdir(task):
+        try:
+            total += int(open(f"{task}/{tid}/schedstat").read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e6
 
 
 def tti():
