@@ -99,7 +99,9 @@ def test_a_silent_server_is_a_read_timeout() -> None:
 def test_a_response_nobody_reads_holds_the_sender_back() -> None:
     """Reading pauses once READ_BUFFER waits in the client: the guest's writes then wait, and
     the server's memory does not grow with a stream a slow consumer is not reading."""
-    body = b"x" * (32 << 20)
+    # More than the socket buffers of both sides can take (tcp_rmem max + tcp_wmem max, 32 + 4 MiB
+    # on this host): at least half of it must then wait in the server.
+    body = b"x" * (96 << 20)
     held: list[int] = []
 
     async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
