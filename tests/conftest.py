@@ -8,8 +8,11 @@ swept once at the start.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
+import re
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -40,6 +43,30 @@ def _sweep_stale_test_nodes() -> None:
         a = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True, text=True).stdout
         if not a.strip() or ipaddress.ip_interface(a.split()[3]).ip in TEST_NET:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    # A node's DNS forwarder address (on the loopback, labelled lo:ae<tag>) and its host nft
+    # table: a new node refuses a slot CIDR another node's address is in ("in use on this host").
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "lo"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        fields = line.split()  # 1: lo inet ADDR scope global lo:ae<tag>\ valid_lft ...
+        if any(f.startswith("lo:ae") for f in fields) and ipaddress.ip_interface(fields[3]).ip in TEST_NET:
+            subprocess.run(["ip", "addr", "del", fields[3], "dev", "lo"], capture_output=True)
+    for line in subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout.splitlines():
+        name = line.split()[-1] if line.startswith("table inet aenv_") else ""
+        if name:
+            rules = subprocess.run(["nft", "list", "table", "inet", name], capture_output=True, text=True).stdout
+            if any(ipaddress.ip_network(a, strict=False).overlaps(TEST_NET) for a in _addresses(rules)):
+                subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True)
+    # Their memory files on tmpfs (RAM: a node short of memory refuses creates) and socket
+    # dirs, named after each node's data dir (Settings.instance_tag).
+    for data in Path("/tmp").glob("pytest-of-*/pytest-*/*/data"):
+        tag = hashlib.sha256(str(data.resolve()).encode()).hexdigest()[:10]
+        for d in (Path("/dev/shm/agentenv") / tag, Path("/run/agentenv") / tag):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _addresses(text: str) -> list[str]:
+    """IPv4 addresses and networks named in ``text`` (an nft ruleset)."""
+    return re.findall(r"\b\d{1,3}(?:\.\d{1,3}){3}(?:/\d{1,2})?\b", text)
 
 
 def _other_pytest_running() -> bool:
