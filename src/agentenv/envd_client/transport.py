@@ -43,6 +43,10 @@ _ERRORS: tuple[tuple[type[Exception], type[httpx.HTTPError]], ...] = (
 )
 
 
+# httpcore's names for a connection's details → asyncio's.
+_EXTRA_INFO = {"socket": "socket", "client_addr": "sockname", "server_addr": "peername"}
+
+
 @contextlib.contextmanager
 def _as_httpx(request: httpx.Request) -> Iterator[None]:
     try:
@@ -175,11 +179,8 @@ class _Stream(httpcore.AsyncNetworkStream):
         transport = self._conn.transport
         if info == "is_readable":  # httpcore asks before reusing an idle connection
             return bool(self._conn.buffer) or self._conn.eof
-        if transport is None:
-            return None
-        return {"socket": lambda: transport.get_extra_info("socket"),
-                "client_addr": lambda: transport.get_extra_info("sockname"),
-                "server_addr": lambda: transport.get_extra_info("peername")}.get(info, lambda: None)()
+        name = _EXTRA_INFO.get(info)
+        return transport.get_extra_info(name) if transport is not None and name else None
 
 
 class _Backend(httpcore.AsyncNetworkBackend):
