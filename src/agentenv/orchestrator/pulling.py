@@ -74,18 +74,14 @@ async def pull(orch: Orchestrator, image: str, *, name: str | None = None, usern
         disk_mb=size, image={"ref": str(pulled.ref), "digest": pulled.digest, "config": cfg.to_json()},
         env=dict(cfg.env), user=_default_user(cfg), workdir=cfg.workdir or None, created_at=time.time(),
     )
-    before = orch.catalog.get(name) if orch.catalog.exists(name) else None
+    before = await asyncio.to_thread(lambda: orch.catalog.get(name) if orch.catalog.exists(name) else None)
     await asyncio.to_thread(orch.catalog.put, template)
     log.info("template %s from %s (%s) in %.1f s", name, pulled.ref, pulled.digest[:19], time.monotonic() - t0)
     if before is not None and replace(before, created_at=template.created_at) != template:
         # An update: the next create starts from the new image (its snapshot is new: the
-        # builder names snapshots after their inputs). The old one's ready shells go now, and
-        # its template snapshots once no sandbox or saved state starts from them, as after a
-        # delete of the template.
+        # builder names snapshots after their inputs); the old one's go as after a delete.
         log.info("template %s now comes from %s; the previous image's ready sandboxes go", name, pulled.ref)
-        for d in orch.snapshots.dirs_of(name):
-            await orch.pool.forget(d)
-        await asyncio.to_thread(orch.snapshots.remove_stale, orch.catalog, orch.template_snapshots_in_use())
+        await orch.retire_template_snapshots(name)
     return template
 
 

@@ -619,11 +619,17 @@ class Orchestrator:
         if t.image is None:
             raise InvalidRequest(f"'{name}' is a built-in template and cannot be deleted")
         await asyncio.to_thread(self.catalog.delete, name)
+        await self.retire_template_snapshots(name)
+        await asyncio.to_thread(pulling.remove_unused_images, self)
+
+    async def retire_template_snapshots(self, name: str) -> None:
+        """Template ``name`` was deleted or now starts from something else: its cached template
+        snapshots are dropped and their ready shells destroyed at once; the snapshots' files go
+        once no sandbox or saved state starts from them (``remove_stale``)."""
         self.snapshots.forget(name)
         for d in self.snapshots.dirs_of(name):
             await self.pool.forget(d)
         await asyncio.to_thread(self.snapshots.remove_stale, self.catalog, self.template_snapshots_in_use())
-        await asyncio.to_thread(pulling.remove_unused_images, self)
 
     def template_snapshots_in_use(self) -> set[str]:
         """Template snapshot dirs and memory files that sandboxes or saved states start from."""
