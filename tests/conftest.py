@@ -8,7 +8,6 @@ swept once at the start.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import os
 import re
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.config import Settings
+from agentenv.network import remove_slots_in
 from tests.framework.net import TEST_NET
 
 
@@ -31,36 +32,25 @@ def _sweep_stale_test_nodes() -> None:
                 continue
             if cmd.startswith(b"qemu-system") and b"/pytest-of-" in cmd:
                 os.kill(int(p.name), signal.SIGKILL)
-    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        dev, addr = line.split()[1].split("@")[0], line.split()[3]
-        if dev.startswith("ae") and ipaddress.ip_interface(addr).ip in TEST_NET:
-            subprocess.run(["ip", "link", "del", dev], capture_output=True)
+    # Veths, namespaces and DNS forwarder addresses (lo:ae<tag>) in the test network: a new node
+    # refuses a slot CIDR another node's address is in ("in use on this host").
+    remove_slots_in(str(TEST_NET))
     for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines():
         ns = line.split()[0] if line.strip() else ""
-        if not ns.startswith("aenv-"):
-            continue
-        a = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True, text=True).stdout
-        if not a.strip() or ipaddress.ip_interface(a.split()[3]).ip in TEST_NET:
+        if ns.startswith("aenv-") and not subprocess.run(  # half-made: no address yet
+                ["ip", "-n", ns, "-4", "-o", "addr", "show", "vpeer"], capture_output=True, text=True).stdout.strip():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    # A node's DNS forwarder address (on the loopback, labelled lo:ae<tag>) and its host nft
-    # table: a new node refuses a slot CIDR another node's address is in ("in use on this host").
-    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "lo"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        fields = line.split()  # 1: lo inet ADDR scope global lo:ae<tag>\ valid_lft ...
-        if any(f.startswith("lo:ae") for f in fields) and ipaddress.ip_interface(fields[3]).ip in TEST_NET:
-            subprocess.run(["ip", "addr", "del", fields[3], "dev", "lo"], capture_output=True)
+    # Their host nft tables (named by tag, so found by the addresses in their rules).
     for line in subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout.splitlines():
         name = line.split()[-1] if line.startswith("table inet aenv_") else ""
         if name:
             rules = subprocess.run(["nft", "list", "table", "inet", name], capture_output=True, text=True).stdout
             if any(ipaddress.ip_network(a, strict=False).overlaps(TEST_NET) for a in _addresses(rules)):
                 subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True)
-    # Their memory files on tmpfs (RAM: a node short of memory refuses creates) and socket
-    # dirs, named after each node's data dir (Settings.instance_tag).
+    # Their memory files on tmpfs (RAM: a node short of memory refuses creates) and socket dirs.
     for data in Path("/tmp").glob("pytest-of-*/pytest-*/*/data"):
-        tag = hashlib.sha256(str(data.resolve()).encode()).hexdigest()[:10]
-        for d in (Path("/dev/shm/agentenv") / tag, Path("/run/agentenv") / tag):
+        node = Settings(data_dir=data)
+        for d in (node.mem_dir, node.sock_dir):
             shutil.rmtree(d, ignore_errors=True)
 
 
