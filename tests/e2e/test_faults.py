@@ -142,6 +142,68 @@ def test_hung_guest_agent_fails_create_in_bounded_time(tmp_path: Path) -> None:
         s.kill_all()
 
 
+def test_a_failed_create_whose_qemu_will_not_die_is_kept_as_error_until_a_kill_frees_it(tmp_path: Path) -> None:
+    """A create fails (its guest never answers) and its QEMU does not exit on SIGKILL (frozen in
+    the kernel). The sandbox must not vanish with its QEMU and namespace, nor stay "creating":
+    it is listed as error, saying so, across a restart, and a kill once the QEMU can die frees
+    everything it held."""
+    s = ServerProcess(tmp_path / "data", node_cidr(46), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
+                      AENV_FAULTS="hang_after_restore", AENV_RESTORE_TIMEOUT="4")
+    s.start()
+    try:
+        with s.client() as api:
+            api.post("/sandboxes", json={"templateID": "base"})  # builds the template snapshot
+            before = (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir)), host.node_netns(s.data_dir))
+            with ThreadPoolExecutor(1) as threads:
+                pending = threads.submit(lambda: s.client().post("/sandboxes", json={"templateID": "base"}))
+                creating: list[dict] = []
+                while not creating and not pending.done():
+                    creating = api.get("/sandboxes", params={"state": "creating"}).json()
+                    time.sleep(0.05)
+                sid = creating[0]["sandboxID"]
+                (pid,) = host.qemu_pids(sid)
+                time.sleep(1)  # its guest is stopped (the injected fault) and the wait for it runs
+                with host.frozen(pid):
+                    r = pending.result()
+                    assert r.status_code == 502 and "did not answer" in r.json()["message"], r.text
+                    (rec,) = [x for x in all_sandboxes(api) if x["sandboxID"] == sid]
+                    assert rec["state"] == "error" and "a kill tries again" in rec["error"], rec
+                    assert host.qemu_pids(sid) == {pid}
+                    # A restart finds it as it was left: listed as error, holding its namespace.
+                    s.stop()
+                    s.start()
+                    (rec,) = [x for x in all_sandboxes(api) if x["sandboxID"] == sid]
+                    assert rec["state"] == "error", rec
+                    assert sid in host.sandbox_dirs(s.data_dir)
+                    assert len(host.node_netns(s.data_dir)) == len(before[2]) + 1
+            assert host.qemu_gone(sid)
+            assert api.delete(f"/sandboxes/{sid}").status_code == 204
+            assert api.get(f"/sandboxes/{sid}").status_code == 404
+            deadline = time.monotonic() + 10
+            while host.node_netns(s.data_dir) != before[2] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            after = (host.sandbox_dirs(s.data_dir), host.qemu_pids(str(s.data_dir)), host.node_netns(s.data_dir))
+            assert after == before
+    finally:
+        s.kill_all()
+
+
+def test_a_kill_whose_qemu_will_not_die_leaves_the_sandbox_listed_as_error_until_a_kill_succeeds(
+        api: httpx.Client, server: ServerProcess) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    (pid,) = host.qemu_pids(sid)
+    with host.frozen(pid):
+        r = api.delete(f"/sandboxes/{sid}")
+        assert r.status_code == 500 and "did not exit after SIGKILL" in r.json()["message"], r.text
+        (rec,) = [x for x in all_sandboxes(api) if x["sandboxID"] == sid]
+        assert rec["state"] == "error" and "kill failed" in rec["error"], rec
+        assert sid in host.sandbox_dirs(server.data_dir)
+    assert host.qemu_gone(sid)
+    assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    assert api.get(f"/sandboxes/{sid}").status_code == 404
+    assert sid not in host.sandbox_dirs(server.data_dir)
+
+
 def test_a_pool_shell_whose_qemu_died_is_destroyed_when_found(tmp_path: Path) -> None:
     """A ready shell whose QEMU died while it waited (OOM killer, crash) is skipped by the next
     create and destroyed: its namespace, slot and run dir go, and the pool makes a new one."""

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from agentenv.bench.node import qemu_gone, qemu_pids
 
-__all__ = ["qemu_pids", "qemu_gone", "netns_names", "netns_of", "node_netns", "sandbox_dirs", "cpu_nice"]
+__all__ = ["qemu_pids", "qemu_gone", "netns_names", "netns_of", "node_netns", "sandbox_dirs", "cpu_nice",
+           "frozen"]
 
 
 def netns_names() -> set[str]:
@@ -42,3 +46,31 @@ def cpu_nice(pid: int) -> set[int]:
     if group and Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
         values.add(int(group[-1]))
     return values
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """Freeze a process in a cgroup-v1 freezer group: it stops in the kernel and does not exit
+    on SIGKILL until thawed (as a process stuck in uninterruptible I/O). The fault a platform
+    meets when a QEMU will not die; thawed on the way out, where the pending kill lands."""
+    if not (FREEZER / "freezer.state").exists() and not (FREEZER / "cgroup.procs").exists():
+        FREEZER.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "cgroup", "-o", "freezer", "freezer", str(FREEZER)], check=True)
+    group = FREEZER / f"aenv-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            (group / "tasks").write_text(tid)
+        (group / "freezer.state").write_text("FROZEN")
+        while (group / "freezer.state").read_text().strip() != "FROZEN":
+            pass
+        yield
+    finally:
+        (group / "freezer.state").write_text("THAWED")
+        for tid in (group / "tasks").read_text().split():
+            with contextlib.suppress(OSError):  # gone meanwhile
+                (FREEZER / "tasks").write_text(tid)
+        group.rmdir()

@@ -54,6 +54,9 @@ async def recover(orch: Orchestrator) -> None:
         live = LiveSandbox(rec)
         orch._live[rec.id] = live
         if rec.state == State.ERROR:
+            if rec.slot_index is not None:  # kept by a failure that could not free it: a kill does
+                orch.slots.mark_used(rec.slot_index)
+                live.slot = orch.slots.slot(rec.slot_index)
             continue
         if rec.state == State.KILLING:
             await _kill_leftover(Path(rec.run_dir))

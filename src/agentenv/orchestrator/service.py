@@ -87,7 +87,7 @@ async def together(*work: Coroutine[Any, Any, object]) -> None:
 class Orchestrator:
     """The node's sandboxes and what serves them. Its public methods are what the API calls.
 
-    Its underscored members (``_live``, ``_require``, ``_transition``, ``_fail``, ``_watch``,
+    Its underscored members (``_live``, ``_require``, ``_transition``, ``_revert``, ``_fail``, ``_watch``,
     ``_forking``, ``_in_background``) are the orchestrator package's own: the helper modules
     beside this one (forking, pausing, parking, recovery, snapshot_shells) take the
     orchestrator as their first argument and use them, so that the lifecycle of one sandbox
@@ -392,7 +392,8 @@ class Orchestrator:
                     # not the caller's problem, another shell serves the create.
                     died = pooled is not None and isinstance(exc, PlatformError) and not shell.machine.alive()
                     reason = exc.message if isinstance(exc, PlatformError) else f"create failed: {exc!r}"
-                    await self._fail(live, reason)
+                    if not await self._fail(live, reason):
+                        raise  # kept, listed as error with what it still holds: a kill tries again
                     self._live.pop(rec.id, None)
                     await self.store.delete(rec.id)
                     await remove_tree(shell.run_dir)
@@ -486,12 +487,26 @@ class Orchestrator:
             await self.slots.release(live.slot)
             live.slot = None
 
-    async def _fail(self, live: LiveSandbox, reason: str) -> None:
+    async def _fail(self, live: LiveSandbox, reason: str) -> bool:
+        """Free what the sandbox holds and record it as error. Returns False when freeing
+        failed (a QEMU that does not exit after SIGKILL, stuck in the kernel): the record then
+        says so and keeps the slot it still holds, persisted, so that a kill, now or after a
+        restart, tries again instead of the sandbox vanishing with its resources."""
         log.error("sandbox %s failed: %s", live.id, reason)
-        await self._release(live)
+        freed = True
+        try:
+            await self._release(live)
+        except Exception as exc:  # noqa: BLE001 — reported in the record, retried by a kill
+            log.exception("sandbox %s: freeing its resources failed", live.id)
+            reason, freed = f"{reason}; freeing its resources failed ({exc}): a kill tries again", False
         if live.record.state != State.ERROR and allowed(live.record.state, State.ERROR):
-            live.record = live.record.with_(state=State.ERROR, error=reason, slot_index=None)
-            await self.store.put(live.record)
+            live.record = live.record.with_(state=State.ERROR, error=reason,
+                                            slot_index=live.slot.index if live.slot else None)
+            try:
+                await self.store.put(live.record)
+            except StorageError:  # it is in error all the same; a restart finds its VM gone
+                log.exception("sandbox %s: recording its failure failed", live.id)
+        return freed
 
     def _watch(self, live: LiveSandbox) -> None:
         machine = live.machine
@@ -512,12 +527,30 @@ class Orchestrator:
             await self._fail(live, "QEMU exited unexpectedly (killed or crashed)" + (f"; console: {tail}" if tail else ""))
 
     async def _transition(self, live: LiveSandbox, dst: State) -> None:
+        """Recorded, then taken: a store that fails (StorageError) leaves the sandbox in the
+        state it had, in memory as on disk, not in a transition nothing will finish."""
         src = live.record.state
         if not allowed(src, dst):
             raise SandboxStateError(live.id, src.value, f"in a state that can become {dst.value}")
-        live.record = live.record.with_(state=dst)
-        await self.store.put(live.record)
+        new = live.record.with_(state=dst)
+        await self.store.put(new)
+        live.record = new
         log.info("sandbox %s: %s -> %s", live.id, src.value, dst.value)
+        if dst == State.RUNNING:
+            self.notice_exit(live)
+
+    async def _revert(self, live: LiveSandbox, dst: State) -> None:
+        """Back to the state a failed operation left the sandbox in (its VM continued, or its
+        saved state kept). Taken at once, since it is the truth whatever the store says;
+        recording it is best effort: a failed write is logged, and the next start's recovery
+        settles the transition the store still holds."""
+        src = live.record.state
+        live.record = live.record.with_(state=dst)
+        log.info("sandbox %s: %s -> %s (reverted)", live.id, src.value, dst.value)
+        try:
+            await self.store.put(live.record)
+        except StorageError:
+            log.exception("sandbox %s: recording its return to %s failed", live.id, dst.value)
         if dst == State.RUNNING:
             self.notice_exit(live)
 
