@@ -3,6 +3,9 @@ shutdown with pause-on-stop, a paused sandbox across a crash, a full disk while 
 
 from __future__ import annotations
 
+import array
+import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -10,6 +13,7 @@ import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -366,6 +370,63 @@ def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pyte
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+
+
+@contextlib.contextmanager
+def store_unwritable(node: ServerProcess) -> Iterator[None]:
+    """The node's SQLite store fails every write with a real I/O error: its write-ahead log is
+    made immutable (as a failing or read-only disk under it would), and writable again after."""
+    wal = node.data_dir / "state.sqlite-wal"
+    fd = os.open(wal, os.O_RDONLY)
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
+        fcntl.ioctl(fd, FS_IOC_SETFLAGS, array.array("l", [flags[0] | FS_IMMUTABLE_FL]), True)
+        try:
+            yield
+        finally:
+            fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags, True)
+    finally:
+        os.close(fd)
+
+
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
+
+
+def test_a_store_that_fails_leaves_the_sandbox_running_in_memory_as_on_disk(node: ServerProcess) -> None:
+    """The store fails (a) when the pause is begun and (b) when it is published, after the
+    capture. Either way the pause did not happen: the sandbox runs on (its processes, its
+    memory), says ``running``, leaves no pause manifest, and pauses and resumes once the store
+    is writable again. Before, (a) left it ``pausing`` for good and (b) ``paused`` with its
+    stopped VM still attached."""
+    restart(node)
+    with node.client() as api:
+        sid = busy_sandbox(api)
+        with store_unwritable(node):
+            r = api.post(f"/sandboxes/{sid}/pause")
+        assert r.status_code == 500 and "sandbox store" in r.json()["message"], r.text
+        assert state(api, sid) == "running"
+        c = counter(api, sid)
+        # (b): 200 MiB more to save makes the capture long enough to make the store fail
+        # under it once the pause is recorded as begun.
+        run(api, sid, "head -c 209715200 /dev/zero | tr '\\0' x > /dev/shm/big")
+        with ThreadPoolExecutor(1) as threads:
+            pending = threads.submit(lambda: node.client().post(f"/sandboxes/{sid}/pause"))
+            while not pending.done() and not api.get("/sandboxes", params={"state": "pausing"}).json():
+                time.sleep(0.002)
+            assert not pending.done(), "the pause ended before the test saw it begin"
+            with store_unwritable(node):
+                r = pending.result()
+        assert r.status_code == 500 and "sandbox store" in r.json()["message"], r.text
+        assert state(api, sid) == "running"
+        time.sleep(0.3)
+        assert counter(api, sid) > c
+        assert [p for p in (node.data_dir / "repository" / "manifests").glob("*.json")
+                if f'"{sid}"' in p.read_text()] == []
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        assert api.post(f"/sandboxes/{sid}/resume").status_code == 201
+        assert run(api, sid, "cat /home/user/f.txt; wc -c < /dev/shm/big")["stdout"] == "before\n209715200\n"
+        api.delete(f"/sandboxes/{sid}")
 
 
 def test_disk_chain_is_bounded_by_streaming(node: ServerProcess) -> None:

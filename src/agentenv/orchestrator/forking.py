@@ -311,7 +311,7 @@ async def _checkpoint(orch: Orchestrator, live: LiveSandbox, state: State, kind:
             if machine.exited:
                 await orch._fail(live, f"QEMU exited during a {kind} ({exc!r})")
             else:
-                await orch._transition(live, State.RUNNING)
+                await orch._revert(live, State.RUNNING)
             raise
         if "qemu_dies_after_capture" in orch.settings.faults:  # injected fault (tests)
             os.kill(machine.pid, signal.SIGKILL)  # as the OOM killer would, right after the capture

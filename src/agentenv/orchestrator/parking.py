@@ -148,7 +148,7 @@ async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: i
         free_later(orch, live, p.machine, p.envd, p.slot)
         live.record = live.record.with_(slot_index=None, end_at=before.end_at, timeout_s=before.timeout_s)
         if live.record.state == State.RESUMING:
-            await orch._transition(live, State.PAUSED)
+            await orch._revert(live, State.PAUSED)
         else:
             await orch.store.put(live.record)
         if not isinstance(exc, (VmmError, OSError)):

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from agentenv.orchestrator.service import Orchestrator
     from agentenv.orchestrator.store import SandboxRecord
     from agentenv.storage import Checkpoint
+    from agentenv.vmm import Machine
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,17 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
             if machine.exited:
                 await orch._fail(live, f"QEMU exited while pausing ({exc!r})")
             else:
-                await orch._transition(live, State.RUNNING)
+                await orch._revert(live, State.RUNNING)
             raise
         # Persist "paused" (with the checkpoint) before the VM is destroyed: a crash between
         # the two leaves a paused record and a stopped QEMU that recovery kills.
-        live.record = live.record.with_(state=State.PAUSED, paused=cp, slot_index=None)
-        await orch.store.put(live.record)
+        paused = live.record.with_(state=State.PAUSED, paused=cp, slot_index=None)
+        try:
+            await orch.store.put(paused)
+        except BaseException:
+            await _unpause(orch, live, machine, cp)
+            raise
+        live.record = paused
         # The state is saved and the VM stopped: the caller is answered now. The stopped QEMU
         # is parked, or it and the network slot are freed in the background (resume and kill
         # wait for that).
@@ -100,6 +106,20 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
         log.info("sandbox %s: paused%s in %.1f ms", sandbox_id, "" if memory else " (filesystem only)",
                  (time.perf_counter() - t0) * 1e3)
         return live.record
+
+
+async def _unpause(orch: Orchestrator, live: LiveSandbox, machine: Machine, cp: Checkpoint) -> None:
+    """A pause whose record could not be written did not happen: the VM goes on from where it
+    stopped (the guest lost only that moment), and the checkpoint nothing points to goes."""
+    try:
+        if machine.exited:
+            await orch._fail(live, "QEMU exited while pausing")
+        else:
+            await machine.qmp("cont")
+            await orch._revert(live, State.RUNNING)
+    finally:
+        await orch.drop_checkpoint(cp.id)
+        orch.schedule_gc()
 
 
 async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
@@ -167,7 +187,7 @@ async def _restore(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeou
         # as a crash would leave it, for the next start's recovery (start_from_checkpoint).
         if not (recorded and isinstance(exc, asyncio.CancelledError)):
             live.record = live.record.with_(slot_index=None, end_at=rec.end_at, timeout_s=rec.timeout_s)
-            await orch._transition(live, State.PAUSED)
+            await orch._revert(live, State.PAUSED)
         raise
     live.machine, live.slot, live.envd = started.machine, started.slot, started.envd
     live.record = rec.with_(state=State.RUNNING, origin=cp, paused=None, slot_index=started.slot.index,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from agentenv.errors import DiskFull, StorageError
 from agentenv.orchestrator.lifecycle import State
 from agentenv.storage.repository import Checkpoint
 
@@ -126,6 +127,7 @@ class Store:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -142,8 +144,16 @@ class Store:
             self._db.close()
 
     def _exec(self, sql: str, args: tuple[object, ...] = ()) -> list[sqlite3.Row]:
+        """Raises StorageError (DiskFull when SQLite says so): a write that failed was not
+        recorded, and callers keep the sandbox in the state the store still has."""
         with self._lock:
-            return self._db.execute(sql, args).fetchall()
+            try:
+                return self._db.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                full = isinstance(exc, sqlite3.OperationalError) and "full" in str(exc)
+                raise (DiskFull if full else StorageError)(
+                    f"the sandbox store ({self.path}) failed: {exc}; the operation did not take effect "
+                    f"(check the data dir's disk)") from exc
 
     async def put(self, r: SandboxRecord) -> None:
         sql = f"INSERT OR REPLACE INTO sandboxes ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))})"
