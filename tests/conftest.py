@@ -8,6 +8,7 @@ swept once at the start.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -24,6 +25,15 @@ from tests.framework.net import TEST_NET
 
 
 def _sweep_stale_test_nodes() -> None:
+    # Processes a test froze (tests/framework/host.py frozen) and did not thaw (the run was
+    # killed): thawed first, or they would outlive the SIGKILL below.
+    for group in Path("/sys/fs/cgroup/freezer").glob("aenv-test-*"):
+        (group / "freezer.state").write_text("THAWED")
+        for tid in (group / "tasks").read_text().split():
+            with contextlib.suppress(OSError):
+                (group.parent / "tasks").write_text(tid)
+        with contextlib.suppress(OSError):
+            group.rmdir()
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
