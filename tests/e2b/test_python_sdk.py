@@ -107,6 +107,32 @@ def test_background_streaming_and_stdin(sdk: SDK) -> None:
     assert out["stdin"] == [0, "line one\nline two\n"]
 
 
+def test_stdin_turn_taking(sdk: SDK) -> None:
+    """An interactive program: each line goes in only once the answer to the one before came
+    out. Output must reach the caller while stdin is still open (no buffering until it
+    closes), and input sent between turns must reach the process in order."""
+    out = sdk.python(PY_LATEST, """
+        import json
+        from e2b import Sandbox
+        sb = Sandbox.create(timeout=120)
+        h = sb.commands.run('while read -r l; do echo "got:$l"; [ "$l" = 3 ] && exit 0; done',
+                            background=True, stdin=True)
+        text, sent = [], []
+        def on_stdout(d):
+            text.append(d)
+            answered = [x for x in "".join(text).split("\\n")[:-1] if x.startswith("got:")]
+            if len(answered) == len(sent) < 3:
+                sent.append(str(len(sent) + 1))
+                sb.commands.send_stdin(h.pid, sent[-1] + "\\n")
+        sent.append("1")
+        sb.commands.send_stdin(h.pid, "1\\n")
+        res = h.wait(on_stdout=on_stdout)
+        sb.kill()
+        print(json.dumps({"code": res.exit_code, "stdout": res.stdout, "sent": sent}))
+    """)
+    assert out == {"code": 0, "stdout": "got:1\ngot:2\ngot:3\n", "sent": ["1", "2", "3"]}
+
+
 def test_large_upload_and_download_stream_intact(sdk: SDK) -> None:
     out = sdk.python(PY_LATEST, """
         import hashlib, io, json, os

@@ -373,6 +373,45 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
         s.kill_all()
 
 
+def test_a_resume_whose_running_record_cannot_be_written_still_watches_its_vm(tmp_path: Path) -> None:
+    """The store fails once the restored guest ran (while the resume waits for it, fault
+    ``hang_after_resume``). The VM runs, so the sandbox is running whatever the store says:
+    the resume answers as it would without the fault, the pause's manifest goes, and the
+    sandbox's QEMU is watched: killed, the sandbox becomes ``error``. Before, the failed write
+    skipped all three, and a dead QEMU went unnoticed."""
+    s = ServerProcess(tmp_path / "data", node_cidr(47), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
+                      AENV_PAUSE_LINGER_S="0", AENV_FAULTS="hang_after_resume", AENV_RESTORE_TIMEOUT="3")
+    s.start()
+    try:
+        with s.client() as api:
+            b = Busy(api)
+            b.pause()
+            assert host.qemu_gone(b.sid, timeout=10)
+            with ThreadPoolExecutor(1) as ex:
+                pending = ex.submit(lambda: s.client().post(f"/sandboxes/{b.sid}/resume", json={"timeout": 600}))
+                deadline = time.monotonic() + 10  # restored (logged), then waiting for the stopped guest
+                while f"restore {b.sid}:" not in s.log.read_text() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert not pending.done()
+                with host.store_unwritable(s.data_dir):
+                    r = pending.result()
+            assert r.status_code == 502 and "runs again" in r.json()["message"], r.text
+            assert "recording it as running failed" in s.log.read_text()
+            assert api.get(f"/sandboxes/{b.sid}").json()["state"] == "running"
+            assert pause_manifests(s.data_dir, b.sid) == []
+            (pid,) = host.qemu_pids(b.sid)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while api.get(f"/sandboxes/{b.sid}").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            info = api.get(f"/sandboxes/{b.sid}").json()
+            assert info["state"] == "error" and "QEMU exited" in info["error"], info
+            assert api.delete(f"/sandboxes/{b.sid}").status_code == 204
+            assert host.qemu_gone(b.sid) and b.sid not in host.sandbox_dirs(s.data_dir)
+    finally:
+        s.kill_all()
+
+
 def test_concurrent_pauses_resumes_and_kills_race_the_linger_and_lose_nothing(tmp_path: Path) -> None:
     """Four clients pause, resume and kill their sandboxes at once, with a linger of one second:
     resumes land before, at and after the expiry, kills land on parked and freed VMs. Every

@@ -3,9 +3,6 @@ shutdown with pause-on-stop, a paused sandbox across a crash, a full disk while 
 
 from __future__ import annotations
 
-import array
-import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -173,6 +170,28 @@ def test_server_killed_mid_resume_loses_nothing(node: ServerProcess, point: str,
             api.delete(f"/sandboxes/{sid}")
     finally:
         node.env["AENV_PAUSE_LINGER_S"] = "0"  # the other tests here restart with the default of the test nodes
+
+
+def test_a_resume_without_memory_cut_short_does_not_bring_the_old_memory_back(node: ServerProcess) -> None:
+    """``memory: false`` on the resume of a sandbox paused with its memory boots its disk, and
+    the booted kernel writes to it at once. The server dies then: the sandbox comes back paused
+    without its memory, and the next resume boots the disk again. Before, it came back with the
+    memory, which a resume restored over the disk the boot had written to."""
+    restart(node, faults="start_after_restore")
+    with node.client() as api:
+        sid = busy_sandbox(api)
+        run(api, sid, "sync")
+        boot = run(api, sid, "cat /proc/sys/kernel/random/boot_id")["stdout"]
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        interrupt(node, api, f"/sandboxes/{sid}/resume", {"timeout": 600, "memory": False}, "start_after_restore")
+    restart(node)
+    with node.client() as api:
+        assert state(api, sid) == "paused"
+        assert api.post(f"/sandboxes/{sid}/resume", json={"timeout": 600}).status_code == 201
+        assert run(api, sid, "cat /proc/sys/kernel/random/boot_id")["stdout"] != boot, "its disk is booted"
+        assert run(api, sid, "cat /home/user/f.txt")["stdout"] == "before\n"
+        repository_is_clean(node)
+        api.delete(f"/sandboxes/{sid}")
 
 
 def test_a_resume_whose_vm_is_lost_with_the_server_keeps_the_sandboxs_files(node: ServerProcess) -> None:
@@ -372,27 +391,6 @@ def test_full_disk_during_pause_keeps_the_sandbox_running(tmp_path_factory: pyte
 
 
 
-@contextlib.contextmanager
-def store_unwritable(node: ServerProcess) -> Iterator[None]:
-    """The node's SQLite store fails every write with a real I/O error: its write-ahead log is
-    made immutable (as a failing or read-only disk under it would), and writable again after."""
-    wal = node.data_dir / "state.sqlite-wal"
-    fd = os.open(wal, os.O_RDONLY)
-    try:
-        flags = array.array("l", [0])
-        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
-        fcntl.ioctl(fd, FS_IOC_SETFLAGS, array.array("l", [flags[0] | FS_IMMUTABLE_FL]), True)
-        try:
-            yield
-        finally:
-            fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags, True)
-    finally:
-        os.close(fd)
-
-
-FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
-
-
 def test_a_store_that_fails_leaves_the_sandbox_running_in_memory_as_on_disk(node: ServerProcess) -> None:
     """The store fails (a) when the pause is begun and (b) when it is published, after the
     capture. Either way the pause did not happen: the sandbox runs on (its processes, its
@@ -402,7 +400,7 @@ def test_a_store_that_fails_leaves_the_sandbox_running_in_memory_as_on_disk(node
     restart(node)
     with node.client() as api:
         sid = busy_sandbox(api)
-        with store_unwritable(node):
+        with host.store_unwritable(node.data_dir):
             r = api.post(f"/sandboxes/{sid}/pause")
         assert r.status_code == 500 and "sandbox store" in r.json()["message"], r.text
         assert state(api, sid) == "running"
@@ -415,7 +413,7 @@ def test_a_store_that_fails_leaves_the_sandbox_running_in_memory_as_on_disk(node
             while not pending.done() and not api.get("/sandboxes", params={"state": "pausing"}).json():
                 time.sleep(0.002)
             assert not pending.done(), "the pause ended before the test saw it begin"
-            with store_unwritable(node):
+            with host.store_unwritable(node.data_dir):
                 r = pending.result()
         assert r.status_code == 500 and "sandbox store" in r.json()["message"], r.text
         assert state(api, sid) == "running"

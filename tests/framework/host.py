@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import os
 import subprocess
 import uuid
@@ -12,7 +14,7 @@ from pathlib import Path
 from agentenv.bench.node import qemu_gone, qemu_pids
 
 __all__ = ["qemu_pids", "qemu_gone", "netns_names", "netns_of", "node_netns", "sandbox_dirs", "cpu_nice",
-           "frozen"]
+           "frozen", "store_unwritable"]
 
 
 def netns_names() -> set[str]:
@@ -74,3 +76,23 @@ def frozen(pid: int) -> Iterator[None]:
             with contextlib.suppress(OSError):  # gone meanwhile
                 (FREEZER / "tasks").write_text(tid)
         group.rmdir()
+
+
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
+
+
+@contextlib.contextmanager
+def store_unwritable(data_dir: Path) -> Iterator[None]:
+    """The node's SQLite store fails every write with a real I/O error: its write-ahead log is
+    made immutable (as a failing or read-only disk under it would), and writable again after."""
+    fd = os.open(data_dir / "state.sqlite-wal", os.O_RDONLY)
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
+        fcntl.ioctl(fd, FS_IOC_SETFLAGS, array.array("l", [flags[0] | FS_IMMUTABLE_FL]), True)
+        try:
+            yield
+        finally:
+            fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags, True)
+    finally:
+        os.close(fd)

@@ -316,8 +316,7 @@ async def _checkpoint(orch: Orchestrator, live: LiveSandbox, state: State, kind:
         if "qemu_dies_after_capture" in orch.settings.faults:  # injected fault (tests)
             os.kill(machine.pid, signal.SIGKILL)  # as the OOM killer would, right after the capture
             await machine.wait_exit()
-        live.record = live.record.with_(disk_path=str(machine.spec.disk), state=State.RUNNING)
-        await orch.store.put(live.record)
+        await orch._record(live, live.record.with_(disk_path=str(machine.spec.disk), state=State.RUNNING))
         orch.notice_exit(live)
         return cp
 

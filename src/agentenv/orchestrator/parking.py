@@ -167,9 +167,8 @@ async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: i
         failure = exc
     live.machine, live.slot, live.envd = p.machine, p.slot, p.envd
     # The exit watcher set when this machine first ran applies again (it checks live.machine).
-    live.record = rec.with_(state=State.RUNNING, origin=cp, paused=None, end_at=time.time() + timeout,
-                            timeout_s=timeout)
-    await orch.store.put(live.record)
+    await orch._record(live, rec.with_(state=State.RUNNING, origin=cp, paused=None, end_at=time.time() + timeout,
+                                       timeout_s=timeout))
     if p.machine.exited:  # it died after cont, before the watcher could see it as running
         await orch._fail(live, "QEMU exited while the sandbox was resumed")
         raise VmmError(f"sandbox {rec.id}: its QEMU exited while it was resumed")

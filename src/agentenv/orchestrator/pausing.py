@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv.errors import GuestError, GuestUnresponsive, SandboxStateError
+from agentenv.errors import GuestError, GuestUnresponsive, SandboxStateError, VmmError
 from agentenv.orchestrator import parking
 from agentenv.orchestrator.forking import (
     GUEST_BOUND_S,
@@ -112,11 +112,17 @@ async def _unpause(orch: Orchestrator, live: LiveSandbox, machine: Machine, cp: 
     """A pause whose record could not be written did not happen: the VM goes on from where it
     stopped (the guest lost only that moment), and the checkpoint nothing points to goes."""
     try:
-        if machine.exited:
-            await orch._fail(live, "QEMU exited while pausing")
-        else:
-            await machine.qmp("cont")
+        continued = False
+        if not machine.exited:
+            try:
+                await machine.qmp("cont")
+                continued = True
+            except VmmError:  # its QMP broke, or it died meanwhile
+                log.exception("sandbox %s: continuing its VM after a failed pause failed", live.id)
+        if continued:
             await orch._revert(live, State.RUNNING)
+        else:
+            await orch._fail(live, "its QEMU could not be continued after the pause failed")
     finally:
         await orch.drop_checkpoint(cp.id)
         orch.schedule_gc()
@@ -159,8 +165,17 @@ async def _restore(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeou
                    memory: bool) -> SandboxRecord:
     """The paused sandbox into a new QEMU restored from ``cp`` (its parked VM, if any, is gone)."""
     if not memory and not cp.filesystem_only:
+        # Its disk is booted and written from the start: recorded without its memory before
+        # that, so that no failure or crash from here on leaves a pause whose memory would be
+        # restored over a disk that moved on.
         cp = cp.with_(memory=(), device=None)
-    await orch._transition(live, State.RESUMING)
+    before = live.record
+    live.record = live.record.with_(paused=cp)
+    try:
+        await orch._transition(live, State.RESUMING)
+    except BaseException:
+        live.record = before
+        raise
     rec = live.record
     own_disk = cp.disk_top is not None and not cp.filesystem_only
     recorded = False
@@ -190,10 +205,9 @@ async def _restore(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeou
             await orch._revert(live, State.PAUSED)
         raise
     live.machine, live.slot, live.envd = started.machine, started.slot, started.envd
-    live.record = rec.with_(state=State.RUNNING, origin=cp, paused=None, slot_index=started.slot.index,
-                            disk_path=started.disk, end_at=time.time() + timeout, timeout_s=timeout)
-    await orch.store.put(live.record)
     orch._watch(live)
+    await orch._record(live, rec.with_(state=State.RUNNING, origin=cp, paused=None, slot_index=started.slot.index,
+                                       disk_path=started.disk, end_at=time.time() + timeout, timeout_s=timeout))
     # The record pins the layers now; the pause manifest is no longer needed.
     await orch.drop_checkpoint(cp.id)
     orch.schedule_gc()

@@ -87,7 +87,7 @@ async def together(*work: Coroutine[Any, Any, object]) -> None:
 class Orchestrator:
     """The node's sandboxes and what serves them. Its public methods are what the API calls.
 
-    Its underscored members (``_live``, ``_require``, ``_transition``, ``_revert``, ``_fail``, ``_watch``,
+    Its underscored members (``_live``, ``_require``, ``_transition``, ``_record``, ``_revert``, ``_fail``, ``_watch``,
     ``_forking``, ``_in_background``) are the orchestrator package's own: the helper modules
     beside this one (forking, pausing, parking, recovery, snapshot_shells) take the
     orchestrator as their first argument and use them, so that the lifecycle of one sandbox
@@ -539,18 +539,24 @@ class Orchestrator:
         if dst == State.RUNNING:
             self.notice_exit(live)
 
+    async def _record(self, live: LiveSandbox, rec: SandboxRecord) -> None:
+        """Take a record that states what has already happened (a VM that now runs, one that
+        was continued after a failed operation): at once, since it is the truth whatever the
+        store says, and written best effort. A failed write is logged; the store then still
+        holds the transition, which the next start's recovery settles from the VM it finds
+        (docs/mechanisms/recovery.md). Raising instead would leave the operation's own
+        bookkeeping (exit watcher, manifests) half done over a VM that runs."""
+        live.record = rec
+        try:
+            await self.store.put(rec)
+        except StorageError:
+            log.exception("sandbox %s: recording it as %s failed", live.id, rec.state.value)
+
     async def _revert(self, live: LiveSandbox, dst: State) -> None:
         """Back to the state a failed operation left the sandbox in (its VM continued, or its
-        saved state kept). Taken at once, since it is the truth whatever the store says;
-        recording it is best effort: a failed write is logged, and the next start's recovery
-        settles the transition the store still holds."""
-        src = live.record.state
-        live.record = live.record.with_(state=dst)
-        log.info("sandbox %s: %s -> %s (reverted)", live.id, src.value, dst.value)
-        try:
-            await self.store.put(live.record)
-        except StorageError:
-            log.exception("sandbox %s: recording its return to %s failed", live.id, dst.value)
+        saved state kept), through ``_record``."""
+        log.info("sandbox %s: %s -> %s (reverted)", live.id, live.record.state.value, dst.value)
+        await self._record(live, live.record.with_(state=dst))
         if dst == State.RUNNING:
             self.notice_exit(live)
 

@@ -168,10 +168,13 @@ class Machine:
             pass
 
     async def kill(self) -> None:
-        """SIGKILL and wait until the process is gone (bounded). Idempotent."""
-        await self._disconnect()
-        if not self.exited:
-            kill_pid(self.pid)
+        """SIGKILL and wait until the process is gone (bounded). Idempotent. The signal is
+        sent even if the caller is cancelled while the QMP connection closes."""
+        try:
+            await self._disconnect()
+        finally:
+            if not self.exited:
+                kill_pid(self.pid)
             try:
                 await asyncio.wait_for(self.wait_exit(), 5)
             except TimeoutError as exc:
