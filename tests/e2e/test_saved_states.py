@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -335,6 +337,56 @@ def test_repository_is_empty_once_everything_is_deleted(api: httpx.Client, serve
 
         mem_dir = Settings(data_dir=server.data_dir).mem_dir
         assert list(mem_dir.glob("fork-*.mem")) == [], "a fork's memory file outlived its children"
+
+
+def test_a_forks_memory_file_is_freed_while_another_fork_is_in_progress(api: httpx.Client,
+                                                                        server: ServerProcess) -> None:
+    """Trainers fork all the time: a fork's memory file (tmpfs, the whole RAM of the VM) goes
+    once its children are gone, even while another fork is in progress, and that other fork's
+    file stays while its children start. Before, no fork file was freed while any fork ran."""
+    from agentenv.config import Settings
+
+    mem_dir = Settings(data_dir=server.data_dir).mem_dir
+    a = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    b = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    a_kids = [x["sandbox"]["sandboxID"] for x in api.post(f"/sandboxes/{a}/fork", json={"count": 2}).json()]
+    (a_file,) = list(mem_dir.glob("fork-*.mem"))
+    stopped: list[int] = []
+    try:
+        with ThreadPoolExecutor(1) as threads:
+            pending = threads.submit(lambda: server.client().post(f"/sandboxes/{b}/fork", json={"count": 2}))
+            deadline = time.monotonic() + 30
+            b_file = None
+            while time.monotonic() < deadline and len(stopped) < 2:  # hold B's children where they restore
+                b_file = next((f for f in mem_dir.glob("fork-*.mem") if f != a_file), None)
+                if b_file is not None:
+                    for pid in host.qemu_pids(str(b_file)):
+                        if pid not in stopped:
+                            os.kill(pid, signal.SIGSTOP)
+                            stopped.append(pid)
+                time.sleep(0.01)
+            assert b_file is not None and len(stopped) == 2 and not pending.done()
+            for k in a_kids:
+                assert api.delete(f"/sandboxes/{k}").status_code == 204
+            deadline = time.monotonic() + 10
+            while a_file.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not a_file.exists(), "the first fork's file outlived its children"
+            assert b_file.exists(), "the fork in progress lost its memory file"
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+            stopped.clear()
+            r = pending.result()
+        assert r.status_code == 201, r.text
+        b_kids = [x["sandbox"]["sandboxID"] for x in r.json()]
+        for k in b_kids:
+            assert run(api, k, "echo ok")["stdout"] == "ok\n"
+            api.delete(f"/sandboxes/{k}")
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        api.delete(f"/sandboxes/{a}")
+        api.delete(f"/sandboxes/{b}")
 
 
 def test_a_snapshot_deleted_while_a_sandbox_starts_from_it_leaves_that_sandbox_whole(

@@ -34,6 +34,21 @@ def test_overlays_are_valid_qcow2_over_their_backing_and_leave_no_staging(tmp_pa
     assert set(overlays.STAGING.glob("aenv-qcow2-*")) == staged_before
 
 
+def test_a_chain_that_cannot_be_read_is_an_error_not_an_empty_chain(tmp_path: Path) -> None:
+    """The gc keeps what the chains under live overlays name: a chain it could not read must
+    stop it, not read as "no layers" (which it would collect). A missing file ends a chain."""
+    base = tmp_path / "base.raw"
+    base.write_bytes(b"\0" * (1 << 20))
+    asyncio.run(create_overlay(tmp_path / "mid.qcow2", base, "raw"))
+    asyncio.run(create_overlay_over(tmp_path / "top.qcow2", tmp_path / "mid.qcow2", 1))
+    assert backing_chain(tmp_path / "top.qcow2") == [tmp_path / "mid.qcow2", base]
+    assert backing_chain(tmp_path / "gone.qcow2") == []
+    (tmp_path / "mid.qcow2").unlink()
+    (tmp_path / "mid.qcow2").mkdir()  # there, but not readable as a file (EISDIR, as an EIO would be)
+    with pytest.raises(StorageError, match="cannot be read"):
+        backing_chain(tmp_path / "top.qcow2")
+
+
 def test_a_failed_create_leaves_no_file(tmp_path: Path) -> None:
     with pytest.raises(StorageError):  # the backing file must exist without -u
         asyncio.run(create_overlay(tmp_path / "top.qcow2", tmp_path / "missing.raw", "raw"))

@@ -7,6 +7,7 @@ which layers they use)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import random
 import shutil
@@ -60,9 +61,9 @@ class _Store:
 def _orchestrator(root: Path) -> types.SimpleNamespace:
     """The parts of an Orchestrator that ``pins``, ``gc`` and ``drop_checkpoint`` use."""
     (root / "shm").mkdir(parents=True, exist_ok=True)
-    orch = types.SimpleNamespace(repo=SnapshotRepository(root / "repo"), _starting=[], _live={}, _forking=0,
+    orch = types.SimpleNamespace(repo=SnapshotRepository(root / "repo"), _starting=[], _live={}, _claimed=collections.Counter(),
                                  store=_Store(), settings=types.SimpleNamespace(mem_dir=root / "shm"))
-    for name in ("pins", "gc", "drop_checkpoint"):
+    for name in ("pins", "gc", "drop_checkpoint", "_mapped"):
         setattr(orch, name, types.MethodType(getattr(Orchestrator, name), orch))
     return orch
 
@@ -286,3 +287,18 @@ def test_two_starts_from_one_checkpoint_each_hold_its_layers(tmp_path: Path) -> 
             assert "mem-a" in orch.pins()
         assert "mem-a" in orch.pins(), "the other start still needs it"
     assert "mem-a" not in orch.pins()
+
+
+def test_a_claimed_fork_memory_file_is_kept_and_an_unclaimed_one_collected(tmp_path: Path) -> None:
+    """A fork's memory file goes once nothing maps or claims it, whatever else is in progress;
+    one claimed (a fork starting its children, a wake) stays."""
+    orch = _orchestrator(tmp_path)
+    orch.claiming = types.MethodType(Orchestrator.claiming, orch)
+    done, starting = orch.settings.mem_dir / "fork-done.mem", orch.settings.mem_dir / "fork-starting.mem"
+    for f in (done, starting):
+        f.write_bytes(b"\0" * 4096)
+    with orch.claiming(starting):
+        assert asyncio.run(orch.gc()) == [done.name]
+        assert starting.exists()
+    assert orch._claimed == {}
+    assert asyncio.run(orch.gc()) == [starting.name]

@@ -357,18 +357,18 @@ async def fork(orch: Orchestrator, sandbox_id: str, count: int,
         src = live.record
         timeout = src.timeout_s if timeout_s is None else timeout_s
         t1 = time.perf_counter()
-        orch._forking += 1
+        fork_mem = orch.settings.mem_dir / f"fork-{cp.id}.mem"
         try:
-            mem_file = None
-            if count >= MATERIALIZE_FROM:
-                mem_file = await orch.checkpoints.materialize(cp, orch.settings.mem_dir / f"fork-{cp.id}.mem")
-            results = await asyncio.gather(
-                *(_new_sandbox(orch, cp, template=src.template, env_vars={}, metadata=src.metadata,
-                               timeout_s=timeout, options=_child_options(src.options), mem_file=mem_file)
-                  for _ in range(count)),
-                return_exceptions=True)
+            with orch.claiming(fork_mem):  # from before it is written until the children are listed
+                mem_file = None
+                if count >= MATERIALIZE_FROM:
+                    mem_file = await orch.checkpoints.materialize(cp, fork_mem)
+                results = await asyncio.gather(
+                    *(_new_sandbox(orch, cp, template=src.template, env_vars={}, metadata=src.metadata,
+                                   timeout_s=timeout, options=_child_options(src.options), mem_file=mem_file)
+                      for _ in range(count)),
+                    return_exceptions=True)
         finally:
-            orch._forking -= 1
             # The children's records pin the layers; the fork manifest itself is not kept.
             await orch.drop_checkpoint(cp.id)
             orch.schedule_gc()

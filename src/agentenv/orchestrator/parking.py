@@ -122,6 +122,14 @@ async def wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: i
     is ``paused`` again, and the caller restores it from ``cp`` instead. Once the VM runs
     there is no going back to ``cp`` (its disk moves on), so a guest that does not answer
     then leaves the sandbox ``running`` and raises GuestError."""
+    assert live.parked is not None
+    # Taken from the parked list before it becomes the sandbox's machine: its memory file
+    # (a fork's) is claimed meanwhile, or a gc would see no VM mapping it.
+    with orch.claiming(live.parked.machine.spec.mem_path):
+        return await _wake(orch, live, cp, timeout)
+
+
+async def _wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: int) -> SandboxRecord | None:
     p = take(live)
     assert p is not None
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentenv.envd_client import EnvdClient
-from agentenv.errors import VmmError
+from agentenv.errors import StorageError, VmmError
 from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.sandbox import LiveSandbox
 from agentenv.storage import backing_chain, remove_tree
@@ -167,7 +167,11 @@ def _remove_unused_tops(run_dir: Path, top: Path) -> None:
     """A checkpoint cut short leaves overlays in the run dir that the VM does not write to:
     the new top it created before switching the disk to it, or the sealed top it had not yet
     unlinked (its repository link stays, for the gc to judge)."""
-    keep = {p.resolve() for p in (top, *backing_chain(top))}
+    try:
+        keep = {p.resolve() for p in (top, *backing_chain(top))}
+    except StorageError as exc:  # keep them all: the next start tries again
+        log.warning("overlays of %s kept: %s", run_dir.name, exc.message)
+        return
     for path in run_dir.glob("disk*.qcow2"):
         if path.resolve() not in keep:
             log.info("removing overlay %s left by an interrupted checkpoint", path.name)

@@ -7,6 +7,7 @@ network, envd_client) and owns the lifecycle state machine; it never contains th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -88,7 +89,7 @@ class Orchestrator:
     """The node's sandboxes and what serves them. Its public methods are what the API calls.
 
     Its underscored members (``_live``, ``_require``, ``_transition``, ``_record``, ``_revert``, ``_fail``, ``_watch``,
-    ``_forking``, ``_in_background``) are the orchestrator package's own: the helper modules
+    ``_in_background``) are the orchestrator package's own: the helper modules
     beside this one (forking, pausing, parking, recovery, snapshot_shells) take the
     orchestrator as their first argument and use them, so that the lifecycle of one sandbox
     lives in several small files instead of one large class. Nothing outside the package
@@ -124,7 +125,9 @@ class Orchestrator:
             restore_timeout_s=settings.restore_timeout_s, max_memory_layers=settings.max_memory_layers,
             faults=settings.faults, max_disk_layers=settings.max_disk_layers, guest_aslr=settings.guest_aslr)
         self._live: dict[str, LiveSandbox] = {}
-        self._forking = 0  # forks in progress (their memory file is not mapped yet)
+        # Memory files a VM maps (or is about to) outside any sandbox's ``vm``: kept from gc
+        # and template clean-up (see ``claiming``).
+        self._claimed: collections.Counter[str] = collections.Counter()
         self._tasks: list[asyncio.Task[None]] = []
         self._cleanups: set[asyncio.Task[object]] = set()  # see _in_background
         self.guest_metrics = GuestMetrics()
@@ -365,19 +368,21 @@ class Orchestrator:
         for attempt in range(3):
             async with self.admitted():
                 snap = await self.snapshots.get(t, v, m)
-                pooled = self.pool.take(snap)
-                shell = pooled or await self._make_shell(snap, prime=False)
-                now = time.time()
-                rec = SandboxRecord(
-                    id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
-                    disk_mb=t.disk_mb, started_at=now, end_at=now + timeout, access_token=shell.access_token,
-                    run_dir=str(shell.run_dir), metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
-                    slot_index=shell.slot.index, options=options, base_dir=str(snap.dir),
-                    disk_path=str(shell.run_dir / "disk.qcow2"), auto_pause=bool(options.get("autoPause")),
-                    timeout_s=timeout,
-                )
-                live = LiveSandbox(rec, shell.machine, shell.slot, shell.envd)
-                self._live[rec.id] = live
+                # Claimed until the sandbox is listed: a pull may retire the snapshot meanwhile.
+                with self.claiming(snap.dir, snap.mem_file):
+                    pooled = self.pool.take(snap)
+                    shell = pooled or await self._make_shell(snap, prime=False)
+                    now = time.time()
+                    rec = SandboxRecord(
+                        id=shell.sandbox_id, template=t.name, state=State.CREATING, vcpus=v, memory_mb=m,
+                        disk_mb=t.disk_mb, started_at=now, end_at=now + timeout, access_token=shell.access_token,
+                        run_dir=str(shell.run_dir), metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
+                        slot_index=shell.slot.index, options=options, base_dir=str(snap.dir),
+                        disk_path=str(shell.run_dir / "disk.qcow2"), auto_pause=bool(options.get("autoPause")),
+                        timeout_s=timeout,
+                    )
+                    live = LiveSandbox(rec, shell.machine, shell.slot, shell.envd)
+                    self._live[rec.id] = live
             async with live.lock:  # an operation on it meanwhile (a kill) waits for the create to end
                 try:
                     # Not persisted while creating: if the server dies now, the run dir has no record
@@ -671,9 +676,30 @@ class Orchestrator:
         await asyncio.to_thread(self.snapshots.remove_stale, self.catalog, self.template_snapshots_in_use())
 
     def template_snapshots_in_use(self) -> set[str]:
-        """Template snapshot dirs and memory files that sandboxes or saved states start from."""
+        """Template snapshot dirs and memory files that sandboxes or saved states start from,
+        or that a create, fork or wake in progress has claimed."""
         bases = {r.record.base_dir for r in self._live.values()} | {cp.base for cp in self.repo.list()}
-        return bases | {str(r.vm.spec.mem_path) for r in self._live.values() if r.vm is not None}
+        return bases | self._mapped()
+
+    def _mapped(self) -> set[str]:
+        return {str(r.vm.spec.mem_path) for r in self._live.values() if r.vm is not None} | set(self._claimed)
+
+    @contextlib.contextmanager
+    def claiming(self, *paths: Path) -> Iterator[None]:
+        """Keep these files (memory files, template snapshot dirs) from gc and template
+        clean-up while they are used outside any sandbox's ``vm``: a template snapshot from the
+        moment a create looked it up until its sandbox is listed, a fork's memory file until
+        its children are, a parked VM while it is being woken (it is then neither parked nor
+        the sandbox's machine). Synchronous on purpose: taken with no await after the lookup."""
+        keys = [str(p) for p in paths]
+        self._claimed.update(keys)
+        try:
+            yield
+        finally:
+            self._claimed.subtract(keys)
+            for k in keys:
+                if self._claimed[k] <= 0:
+                    del self._claimed[k]
 
     def image_lock(self, key: str) -> asyncio.Lock:
         """One conversion at a time per output file (two pulls of one image wait for each other)."""
@@ -814,11 +840,9 @@ class Orchestrator:
                 log.error("repository gc skipped: %s", exc.message)
                 removed = []
         # A fork child's VM maps its fork's memory file while it runs, while it is parked, and
-        # while it is being woken (a resume holds it outside ``live.machine`` until it answers).
-        mapped = {str(live.vm.spec.mem_path) for live in self._live.values() if live.vm is not None}
-        waking = any(live.record.state == State.RESUMING for live in self._live.values())
-        unused = [f for f in self.settings.mem_dir.glob("fork-*.mem")
-                  if str(f) not in mapped and not self._forking and not waking]
+        # while it is being woken; a fork in progress claims it from before it is written.
+        mapped = self._mapped()
+        unused = [f for f in self.settings.mem_dir.glob("fork-*.mem") if str(f) not in mapped]
         for f in unused:  # a fork's memory file no child maps any more (GiBs of tmpfs: freed off the loop)
             await asyncio.to_thread(f.unlink, True)
             removed.append(f.name)

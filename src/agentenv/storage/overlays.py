@@ -83,7 +83,8 @@ async def create_overlay_over(path: Path, backing: Path, size_mb: int) -> Path:
 
 def backing_chain(path: Path) -> list[Path]:
     """The backing files below a qcow2 overlay, nearest first, read from the qcow2 headers
-    (no process, so the repository's GC can afford it for every sandbox)."""
+    (no process, so the repository's GC can afford it for every sandbox). Stops at a file
+    that does not exist; raises StorageError for one that cannot be read."""
     out: list[Path] = []
     current = path
     for _ in range(256):
@@ -98,8 +99,10 @@ def backing_chain(path: Path) -> list[Path]:
                     break
                 f.seek(offset)
                 name = f.read(size).decode()
-        except OSError:
+        except FileNotFoundError:
             break
+        except OSError as exc:  # not "no chain": the gc must not collect what it could not read
+            raise StorageError(f"the disk chain under {path} cannot be read at {current}: {exc}") from exc
         nxt = Path(name) if name.startswith("/") else current.parent / name
         out.append(nxt)
         current = nxt
