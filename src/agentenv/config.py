@@ -63,6 +63,7 @@ class Settings:
     max_disk_layers: int = 16  # a longer disk chain is streamed into the sandbox's overlay
     pause_on_stop: bool = False  # SIGTERM pauses running sandboxes instead of leaving them running
     pause_linger_s: float = 60.0  # a paused sandbox's stopped VM is kept this long (orchestrator/parking.py)
+    error_keep_s: float = 600.0  # a failed sandbox stays listed at least this long, then goes at its timeout
     repository_dir: Path | None = None  # snapshot repository (posix_fs); default data_dir/repository
     spare_layers_mb: int = 512  # freed memory layers kept for captures to write over (storage/spares.py)
     api_key: str | None = None  # overrides the generated key file
@@ -107,6 +108,7 @@ class Settings:
             max_disk_layers=int(_env("AENV_MAX_DISK_LAYERS", str(d.max_disk_layers))),
             pause_on_stop=_env("AENV_PAUSE_ON_STOP", "0") in ("1", "true", "on"),
             pause_linger_s=float(_env("AENV_PAUSE_LINGER_S", str(d.pause_linger_s))),
+            error_keep_s=float(_env("AENV_ERROR_KEEP_S", str(d.error_keep_s))),
             repository_dir=Path(os.environ["AENV_REPOSITORY_DIR"]) if "AENV_REPOSITORY_DIR" in os.environ else None,
             spare_layers_mb=int(_env("AENV_SPARE_LAYERS_MB", str(d.spare_layers_mb))),
             boot_timeout_s=float(_env("AENV_BOOT_TIMEOUT", str(d.boot_timeout_s))),

@@ -46,6 +46,32 @@ def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: 
     assert api.get(f"/sandboxes/{sid}").status_code == 404
 
 
+def test_a_failed_sandbox_nobody_deletes_is_kept_a_while_then_removed(tmp_path: Path) -> None:
+    """A trainer that gets a 410 for a crashed sandbox often moves on without deleting it. The
+    failed sandbox stays listed with its reason for AENV_ERROR_KEEP_S (here 3 s), past its
+    timeout (2 s), and is then removed with its run dir, as a timeout removes a running one."""
+    s = ServerProcess(tmp_path / "data", node_cidr(48), AENV_POOL_SIZE="0", AENV_SLOT_POOL_SIZE="0",
+                      AENV_ERROR_KEEP_S="3")
+    s.start()
+    try:
+        with s.client() as api:
+            sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 2}).json()["sandboxID"]
+            (pid,) = host.qemu_pids(sid)
+            os.kill(pid, signal.SIGKILL)
+            failed_at = time.monotonic()
+            time.sleep(2)  # past its timeout, within the keep
+            (rec,) = [x for x in all_sandboxes(api) if x["sandboxID"] == sid]
+            assert rec["state"] == "error" and "QEMU exited" in rec["error"], rec
+            assert api.get(f"/sandboxes/{sid}").status_code == 410
+            while api.get(f"/sandboxes/{sid}").status_code == 410 and time.monotonic() < failed_at + 10:
+                time.sleep(0.2)
+            assert api.get(f"/sandboxes/{sid}").status_code == 404
+            assert time.monotonic() - failed_at >= 2.5
+            assert all_sandboxes(api) == [] and host.sandbox_dirs(s.data_dir) == set()
+    finally:
+        s.kill_all()
+
+
 @pytest.fixture(scope="module")
 def small_disk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A node whose data dir is a 256 MiB tmpfs (the template snapshot, with its ~100 MiB memory

@@ -1,6 +1,7 @@
 """The timeout reaper: running sandboxes whose ``end_at`` passed are killed, or paused when
 they were created with auto-pause (E2B's semantics; ``autoPauseMemory: false`` makes that
-pause filesystem-only).
+pause filesystem-only). Failed sandboxes are killed at theirs, which the failure pushed out by
+AENV_ERROR_KEEP_S so that the reason can still be read (``LiveSandbox.past_end``).
 
 A few at a time, each in its own task: a batch of rollouts that all time out together is not
 handled one after the other (each pause waits for its disk write, and for a sandbox busy with
@@ -17,6 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 from agentenv.errors import GuestUnresponsive, SandboxNotFound
+from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.sandbox import LiveSandbox
 
 if TYPE_CHECKING:
@@ -57,10 +59,11 @@ class Reaper:
 
     async def _reap(self, live: LiveSandbox, slots: asyncio.Semaphore) -> None:
         async with slots:
-            action = "pause" if live.record.auto_pause else "kill"
+            pause = live.record.auto_pause and live.record.state == State.RUNNING  # a failed one is killed
+            action = "pause" if pause else "kill"
             log.info("sandbox %s reached its timeout: %s", live.id, action)
             try:
-                await (self._auto_pause(live) if live.record.auto_pause else self.orch.kill(live.id, due=True))
+                await (self._auto_pause(live) if pause else self.orch.kill(live.id, due=True))
                 self._retry.pop(live.id, None)
             except SandboxNotFound:  # killed meanwhile
                 self._retry.pop(live.id, None)

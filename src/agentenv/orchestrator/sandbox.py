@@ -74,7 +74,9 @@ class LiveSandbox:
                                          access_token=rec.access_token), timeout_s)
 
     def past_end(self) -> bool:
-        """Running past its end time: the reaper kills it, or pauses it (auto-pause). Asked
-        again by the kill or pause once it holds the lock (a pause or a new timeout may have
-        come first)."""
-        return self.record.state == State.RUNNING and self.record.end_at <= time.time()
+        """Running past its end time: the reaper kills it, or pauses it (auto-pause); failed
+        (``error``) past its end time, which a failure pushes out by AENV_ERROR_KEEP_S: the
+        reaper kills it, so that failed sandboxes nobody deletes (a trainer that moved on) do
+        not pile up with their disks. Asked again by the kill or pause once it holds the lock
+        (a pause or a new timeout may have come first)."""
+        return self.record.state in (State.RUNNING, State.ERROR) and self.record.end_at <= time.time()

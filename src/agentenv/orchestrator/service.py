@@ -506,7 +506,8 @@ class Orchestrator:
             reason, freed = f"{reason}; freeing its resources failed ({exc}): a kill tries again", False
         if live.record.state != State.ERROR and allowed(live.record.state, State.ERROR):
             live.record = live.record.with_(state=State.ERROR, error=reason,
-                                            slot_index=live.slot.index if live.slot else None)
+                                            slot_index=live.slot.index if live.slot else None,
+                                            end_at=max(live.record.end_at, time.time() + self.settings.error_keep_s))
             try:
                 await self.store.put(live.record)
             except StorageError:  # it is in error all the same; a restart finds its VM gone
