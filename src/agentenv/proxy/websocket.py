@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from agentenv.proxy.http import Receive, SandboxProxy, Scope, Send
 
 CLOSE_TIMEOUT_S = 5.0
+# A message is relayed whole (ASGI has no fragments), so it is held in the server's memory:
+# bounded as uvicorn bounds the client's (ws_max_size). A guest's larger message ends the
+# connection with 1009, both ways, instead of a program in a sandbox growing the server.
+MAX_MESSAGE_BYTES = 16 << 20
 # Handshake headers the upstream client makes itself.
 _OWN = frozenset({b"host", b"connection", b"upgrade", b"sec-websocket-key", b"sec-websocket-version",
                   b"sec-websocket-extensions", b"sec-websocket-protocol", b"content-length", b"transfer-encoding"})
@@ -56,7 +60,8 @@ async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Sen
         return
     async def dial() -> ClientConnection:
         return await _Dial(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
-                           max_size=None, open_timeout=10, ping_interval=None, compression=None, proxy=None)
+                           max_size=MAX_MESSAGE_BYTES, open_timeout=10, ping_interval=None, compression=None,
+                           proxy=None)
 
     try:
         try:
@@ -91,13 +96,17 @@ async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Sen
                     await up.send(msg["text"])
 
         async def sandbox_to_client() -> None:
+            code, reason = None, ""
             try:
                 async for data in up:
                     key = "bytes" if isinstance(data, bytes) else "text"
                     await send({"type": "websocket.send", key: data})
-            except ConnectionClosed:
-                pass
-            await send({"type": "websocket.close", "code": up.close_code or 1000, "reason": up.close_reason or ""})
+            except ConnectionClosed as exc:
+                if exc.rcvd is None and exc.sent is not None:  # ended by us: 1009 for a message too big
+                    code, reason = exc.sent.code, exc.sent.reason
+            if code is None:
+                code, reason = up.close_code or 1000, up.close_reason or ""
+            await send({"type": "websocket.close", "code": code, "reason": reason})
 
         gone = proxy.subscribe(sandbox_id)
         tasks = [asyncio.create_task(client_to_sandbox()), asyncio.create_task(sandbox_to_client()),
