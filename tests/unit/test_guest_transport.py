@@ -5,6 +5,7 @@ buffering of a response nobody reads."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -121,5 +122,43 @@ def test_a_response_nobody_reads_holds_the_sender_back() -> None:
                 async for part in r.aiter_raw():
                     got += len(part)
                 assert got == len(body)
+
+    asyncio.run(main())
+
+
+def _sockets() -> int:
+    """Open socket descriptors of this process."""
+    fds = os.listdir("/proc/self/fd")
+    return sum(1 for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")
+               and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"))
+
+
+def test_a_cut_upload_to_a_guest_that_stopped_reading_frees_its_socket_at_once() -> None:
+    """A request cut (its client gone, its sandbox killed) while its body waits for a guest
+    that reads nothing: the connection is dropped with what it still had to send, not kept
+    open until TCP gives up (about 15 minutes) with its buffer."""
+    stalled = asyncio.Event()
+
+    async def deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stalled.set()
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        server, url, _ = await _serve(deaf)
+        async with server, _client() as c:
+            before = _sockets()
+
+            async def body():  # more than both sides' socket buffers take
+                for _ in range(256):
+                    yield b"x" * (1 << 20)
+
+            upload = asyncio.create_task(c.post(url, content=body(), timeout=httpx.Timeout(60.0)))
+            await stalled.wait()
+            await asyncio.sleep(1.0)
+            assert not upload.done() and _sockets() == before + 2  # the client's and the server's
+            upload.cancel()
+            await asyncio.gather(upload, return_exceptions=True)
+            await asyncio.sleep(0.2)
+            assert _sockets() == before + 1, "the client's socket outlived the cut request"
 
     asyncio.run(main())

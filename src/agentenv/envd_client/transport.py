@@ -168,8 +168,10 @@ class _Stream(httpcore.AsyncNetworkStream):
             raise httpcore.WriteTimeout(f"could not write within {timeout} s") from exc
 
     async def aclose(self) -> None:
+        # httpcore closes only a connection it throws away: what it had not sent is not wanted,
+        # and close() would keep the socket open until a guest that stopped reading took it.
         if self._conn.transport is not None:
-            self._conn.transport.close()
+            self._conn.transport.abort()
 
     async def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
                         timeout: float | None = None) -> httpcore.AsyncNetworkStream:
