@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import os
 import socket
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -344,6 +345,38 @@ def test_a_guest_websocket_message_larger_than_the_bound_closes_with_1009(
         assert got == ["hello"] and code == 1009, (got, code)
     finally:
         api.delete(f"/sandboxes/{sid}")
+
+
+def _server_connections_to(server: ServerProcess, port: int) -> list[str]:
+    """The server's established TCP connections to ``port`` (of any sandbox)."""
+    out = subprocess.run(["ss", "-tnpH", "state", "established", f"( dport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if f"pid={server.proc.pid}," in line]
+
+
+def test_the_proxys_connections_to_a_killed_sandbox_are_closed_without_more_traffic(
+        e2b_server: ServerProcess, api: httpx.Client) -> None:
+    """A kept-alive connection to a user port of a sandbox that is gone is never closed by its
+    peer: the proxy closes it, also when no request comes for another sandbox afterwards."""
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+    try:
+        serve = ("from http.server import SimpleHTTPRequestHandler as H, ThreadingHTTPServer as S; "
+                 "H.protocol_version = 'HTTP/1.1'; S(('0.0.0.0', 8082), H).serve_forever()")  # keep-alive
+        r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": f'nohup python3 -c "{serve}" >/dev/null 2>&1 &'})
+        assert r.status_code == 200, r.text
+        route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8082"}
+        with httpx.Client(base_url=e2b_server.url, timeout=30) as c:
+            for _ in range(100):  # the server takes a moment to listen
+                if c.get("/", headers=route).status_code == 200:
+                    break
+                time.sleep(0.2)
+        assert _server_connections_to(e2b_server, 8082), "the proxy keeps its connection alive"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    deadline = time.monotonic() + 15
+    while _server_connections_to(e2b_server, 8082) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _server_connections_to(e2b_server, 8082) == []
 
 
 def test_concurrent_requests_to_an_auto_resuming_sandbox_all_get_through(

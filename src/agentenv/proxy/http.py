@@ -38,6 +38,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 ENVD_PORT = 49983
+SWEEP_INTERVAL_S = 5.0  # how often the pools of sandboxes gone are closed
 # envd's control routes, never reachable from outside (E2B's edge answers 404).
 INTERNAL_ENVD_PATHS = frozenset({"/init", "/sync", "/port-forward", "/upgrade", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
 
@@ -139,6 +140,7 @@ class SandboxProxy:
         # One connection pool per sandbox: a new sandbox may get a killed one's address, and a
         # kept-alive connection to a VM that is gone is never closed by its peer.
         self._clients: dict[str, httpx.AsyncClient] = {}
+        self._sweeper: asyncio.Task[None] | None = None  # closes the pools of sandboxes gone
         self._gone: dict[str, tuple[asyncio.Event, int]] = {}
         self._watcher: asyncio.Task[None] | None = None
 
@@ -169,8 +171,9 @@ class SandboxProxy:
         return int(value)
 
     async def aclose(self) -> None:
-        if self._watcher:
-            self._watcher.cancel()
+        for task in (self._watcher, self._sweeper):
+            if task:
+                task.cancel()
         for c in self._clients.values():
             await c.aclose()
         self._clients.clear()
@@ -184,10 +187,6 @@ class SandboxProxy:
                 return self.orch.envd(sandbox_id).http
             except (NotFound, SandboxStateError):
                 raise not_found(sandbox_id) from None
-        # Pop before awaiting: concurrent requests would otherwise pop the same stale client.
-        stale = [self._clients.pop(s) for s in list(self._clients) if s != sandbox_id and not self.running(s)]
-        for c in stale:
-            await c.aclose()
         client = self._clients.get(sandbox_id)
         if client is None:
             limits = httpx.Limits(max_connections=256, max_keepalive_connections=16, keepalive_expiry=300.0)
@@ -195,7 +194,20 @@ class SandboxProxy:
                 limits=limits, follow_redirects=False, trust_env=False,
                 verify=False,  # plain HTTP to the guest: no TLS context to build (~50 ms per client)
                 transport=GuestTransport(limits))  # as the agent's port (envd_client/transport.py)
+            if self._sweeper is None or self._sweeper.done():
+                self._sweeper = asyncio.create_task(self._sweep(), name="proxy-sweep")
         return client
+
+    async def _sweep(self) -> None:
+        """Close the pools of sandboxes that stopped running (their kept-alive connections
+        would stay open for good: a VM that is gone never closes them), also when no request
+        comes for another sandbox; ends with the last pool."""
+        while self._clients:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            # Pop before awaiting: a request meanwhile makes a new pool for a sandbox running again.
+            stale = [self._clients.pop(s) for s in list(self._clients) if not self.running(s)]
+            for c in stale:
+                await c.aclose()
 
     async def forward_loopback(self, sandbox_id: str, port: int) -> bool:
         """After a refused dial: ask the guest agent to forward ``port`` if a service listens on
