@@ -306,10 +306,12 @@ class Orchestrator:
         """``admit`` ``more`` new VMs and count them until the caller has put them in ``_live``
         (or failed), so that creates running at once see each other against the limits.
         ``starting``: the saved state they start from, kept from gc meanwhile (its snapshot
-        may be deleted while they start). ``extra_mb``: see ``memory_shortfall``."""
-        await self.admit(more, extra_mb)
-        with self.counting(more, extra_mb), self.pinning(starting):
-            yield
+        may be deleted while they start), from before the admission waits (it may free parked
+        VMs and shells, and a gc may run meanwhile). ``extra_mb``: see ``memory_shortfall``."""
+        with self.pinning(starting):
+            await self.admit(more, extra_mb)
+            with self.counting(more, extra_mb):
+                yield
 
     @contextlib.contextmanager
     def counting(self, more: int = 1, extra_mb: int = 0) -> Iterator[None]:

@@ -321,6 +321,9 @@ class SandboxProxy:
                             raise not_found(sandbox_id) from None  # client may be closed by now
             if resp is None:
                 raise port_closed(sandbox_id, port)
+            # The guest may answer before it read the whole body (httpcore then stops sending it):
+            # from here on only the client's disconnect is awaited (client_gone).
+            body_done.set()
             try:
                 drop = SERVER_SUPPLIED | NO_BODY_HEADERS if resp.status_code in NO_BODY else SERVER_SUPPLIED
                 out = forwardable(resp.headers.raw, drop)
