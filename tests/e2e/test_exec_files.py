@@ -36,6 +36,20 @@ def test_exec_timeout_kills_the_command(api: httpx.Client, sandbox: str) -> None
     assert run(api, sandbox, "pgrep -x sleep || echo none")["stdout"].strip() == "none"
 
 
+def test_a_command_printing_without_end_is_cut_at_the_output_bound(api: httpx.Client, sandbox: str) -> None:
+    """A non-streaming exec's answer is built in the server's memory: a command that prints
+    without end (an agent's `yes`, with no timeout) is killed at 16 MiB of a stream, and the
+    answer keeps what it printed up to there and says why. Before, the server collected it
+    for as long as the command ran."""
+    r = api.post(f"/sandboxes/{sandbox}/exec", json={"cmd": "echo to-stderr >&2; yes"}, timeout=120)
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert len(res["stdout"]) == 16 << 20 and res["stdout"].startswith("y\ny\n")
+    assert res["stderr"] == "to-stderr\n"
+    assert res["exitCode"] != 0 and "stdout passed 16777216 bytes: the command was killed" in res["error"]
+    assert run(api, sandbox, "pgrep -x yes || echo none")["stdout"] == "none\n"
+
+
 def test_exec_streams_output_as_it_happens(api: httpx.Client, sandbox: str) -> None:
     events = []
     with api.stream("POST", f"/sandboxes/{sandbox}/exec",

@@ -411,23 +411,30 @@ class EnvdClient:
     async def run(self, cmd: str | list[str], *, envs: dict[str, str] | None = None,
                   cwd: str | None = None, user: str | None = None, timeout: float | None = None,
                   on_stdout: OutputCallback | None = None,
-                  on_stderr: OutputCallback | None = None) -> CommandResult:
+                  on_stderr: OutputCallback | None = None, max_output: int | None = None) -> CommandResult:
         """Run a command to completion, collecting output (callbacks get chunks as they arrive).
-        A non-zero exit is a normal result, not an exception."""
+        A non-zero exit is a normal result, not an exception. ``max_output``: the bytes of
+        each stream kept in memory; a command that writes more (``yes``, ``cat /dev/zero``:
+        a program in the sandbox chooses) is killed, its result keeps the first bytes and
+        says why in ``error``."""
         pid, stdout, stderr = 0, bytearray(), bytearray()
         result: CommandResult | None = None
+        cut: str | None = None
         async with aclosing(self.stream(cmd, envs=envs, cwd=cwd, user=user, timeout=timeout)) as events:
             async for event in events:
                 if event.type == "start":
                     pid = event.pid
-                elif event.type == "stdout":
-                    stdout += event.data
-                    await _call(on_stdout, event.data)
-                elif event.type == "stderr":
-                    stderr += event.data
-                    await _call(on_stderr, event.data)
+                elif event.type in ("stdout", "stderr"):
+                    kept = stdout if event.type == "stdout" else stderr
+                    room = len(event.data) if max_output is None else max(0, max_output - len(kept))
+                    kept += event.data[:room]
+                    await _call(on_stdout if event.type == "stdout" else on_stderr, event.data)
+                    if room < len(event.data) and cut is None:
+                        cut = (f"its {event.type} passed {max_output} bytes: the command was killed "
+                               f"(stream its output for more)")
+                        await self.send_signal(pid, "SIGKILL")
                 elif event.type == "end":
-                    result = CommandResult(event.exit_code, bytes(stdout), bytes(stderr), pid, event.error)
+                    result = CommandResult(event.exit_code, bytes(stdout), bytes(stderr), pid, cut or event.error)
         if result is None:
             raise EnvdError("internal", "process stream ended without an end event")
         return result

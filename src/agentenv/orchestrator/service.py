@@ -67,6 +67,10 @@ from agentenv.vmm import AccelInfo, detect_accel, ksm
 
 log = logging.getLogger(__name__)
 
+# What a non-streaming exec keeps of each of its command's streams: the answer is built in the
+# server's memory, and what a command prints is up to the program in the sandbox.
+EXEC_OUTPUT_LIMIT = 16 << 20
+
 
 
 INIT_RETRY_S = 5.0  # init_later: between tries, and the bound of each
@@ -632,7 +636,8 @@ class Orchestrator:
 
     async def exec(self, sandbox_id: str, cmd: str | list[str], *, envs: dict[str, str] | None = None,
                    cwd: str | None = None, user: str | None = None, timeout: float | None = None) -> CommandResult:
-        return await self.envd(sandbox_id).run(cmd, envs=envs, cwd=cwd, user=user, timeout=timeout)
+        return await self.envd(sandbox_id).run(cmd, envs=envs, cwd=cwd, user=user, timeout=timeout,
+                                               max_output=EXEC_OUTPUT_LIMIT)
 
     def exec_stream(self, sandbox_id: str, cmd: str | list[str], **kw: object) -> AsyncIterator[ProcessEvent]:
         return self.envd(sandbox_id).stream(cmd, **kw)  # type: ignore[arg-type]
