@@ -21,19 +21,16 @@ import pytest
 
 from agentenv.config import Settings
 from agentenv.network import remove_slots_in
+from tests.framework import host
 from tests.framework.net import TEST_NET
 
 
 def _sweep_stale_test_nodes() -> None:
     # Processes a test froze (tests/framework/host.py frozen) and did not thaw (the run was
     # killed): thawed first, or they would outlive the SIGKILL below.
-    for group in Path("/sys/fs/cgroup/freezer").glob("aenv-test-*"):
-        (group / "freezer.state").write_text("THAWED")
-        for tid in (group / "tasks").read_text().split():
-            with contextlib.suppress(OSError):
-                (group.parent / "tasks").write_text(tid)
+    for group in host.FREEZER.glob("aenv-test-*"):
         with contextlib.suppress(OSError):
-            group.rmdir()
+            host.thaw(group)
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:

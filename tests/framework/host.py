@@ -14,7 +14,7 @@ from pathlib import Path
 from agentenv.bench.node import qemu_gone, qemu_pids
 
 __all__ = ["qemu_pids", "qemu_gone", "netns_names", "netns_of", "node_netns", "sandbox_dirs", "cpu_nice",
-           "frozen", "store_unwritable"]
+           "frozen", "thaw", "store_unwritable"]
 
 
 def netns_names() -> set[str]:
@@ -58,7 +58,7 @@ def frozen(pid: int) -> Iterator[None]:
     """Freeze a process in a cgroup-v1 freezer group: it stops in the kernel and does not exit
     on SIGKILL until thawed (as a process stuck in uninterruptible I/O). The fault a platform
     meets when a QEMU will not die; thawed on the way out, where the pending kill lands."""
-    if not (FREEZER / "freezer.state").exists() and not (FREEZER / "cgroup.procs").exists():
+    if not (FREEZER / "cgroup.procs").exists():  # the hierarchy is not mounted there
         FREEZER.mkdir(parents=True, exist_ok=True)
         subprocess.run(["mount", "-t", "cgroup", "-o", "freezer", "freezer", str(FREEZER)], check=True)
     group = FREEZER / f"aenv-test-{uuid.uuid4().hex[:8]}"
@@ -71,11 +71,16 @@ def frozen(pid: int) -> Iterator[None]:
             pass
         yield
     finally:
-        (group / "freezer.state").write_text("THAWED")
-        for tid in (group / "tasks").read_text().split():
-            with contextlib.suppress(OSError):  # gone meanwhile
-                (FREEZER / "tasks").write_text(tid)
-        group.rmdir()
+        thaw(group)
+
+
+def thaw(group: Path) -> None:
+    """Thaw a freezer group made by ``frozen``, move what is left in it out, and remove it."""
+    (group / "freezer.state").write_text("THAWED")
+    for tid in (group / "tasks").read_text().split():
+        with contextlib.suppress(OSError):  # gone meanwhile
+            (group.parent / "tasks").write_text(tid)
+    group.rmdir()
 
 
 FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10

@@ -138,8 +138,8 @@ async def _wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: 
     try:
         # With its slot recorded, recovery re-adopts this VM if the server dies during the wake,
         # with the time to live this resume gives it (the old one may be long past).
-        live.record = live.record.with_(slot_index=p.slot.index, end_at=time.time() + timeout, timeout_s=timeout)
-        await orch._transition(live, State.RESUMING)
+        await orch._transition(live, State.RESUMING, slot_index=p.slot.index, end_at=time.time() + timeout,
+                               timeout_s=timeout)
         recorded = True
         await orch.checkpoints.crash_point("wake_before_cont")
         if p.machine.exited:
@@ -154,11 +154,9 @@ async def _wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: 
             await p.machine.detach()
             raise
         free_later(orch, live, p.machine, p.envd, p.slot)
-        live.record = live.record.with_(slot_index=None, end_at=before.end_at, timeout_s=before.timeout_s)
-        if live.record.state == State.RESUMING:
+        if live.record.state == State.RESUMING:  # (a transition that failed changed nothing)
+            live.record = live.record.with_(slot_index=None, end_at=before.end_at, timeout_s=before.timeout_s)
             await orch._revert(live, State.PAUSED)
-        else:
-            await orch.store.put(live.record)
         if not isinstance(exc, (VmmError, OSError)):
             raise
         log.warning("sandbox %s: its parked VM could not be continued (%r); restoring its saved state",

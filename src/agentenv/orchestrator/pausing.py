@@ -87,13 +87,11 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
             raise
         # Persist "paused" (with the checkpoint) before the VM is destroyed: a crash between
         # the two leaves a paused record and a stopped QEMU that recovery kills.
-        paused = live.record.with_(state=State.PAUSED, paused=cp, slot_index=None)
         try:
-            await orch.store.put(paused)
+            await orch._transition(live, State.PAUSED, paused=cp, slot_index=None)
         except BaseException:
             await _unpause(orch, live, machine, cp)
             raise
-        live.record = paused
         # The state is saved and the VM stopped: the caller is answered now. The stopped QEMU
         # is parked, or it and the network slot are freed in the background (resume and kill
         # wait for that).
@@ -169,13 +167,7 @@ async def _restore(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeou
         # that, so that no failure or crash from here on leaves a pause whose memory would be
         # restored over a disk that moved on.
         cp = cp.with_(memory=(), device=None)
-    before = live.record
-    live.record = live.record.with_(paused=cp)
-    try:
-        await orch._transition(live, State.RESUMING)
-    except BaseException:
-        live.record = before
-        raise
+    await orch._transition(live, State.RESUMING, paused=cp)
     rec = live.record
     own_disk = cp.disk_top is not None and not cp.filesystem_only
     recorded = False

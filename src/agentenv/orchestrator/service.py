@@ -67,13 +67,10 @@ from agentenv.vmm import AccelInfo, detect_accel, ksm
 
 log = logging.getLogger(__name__)
 
+INIT_RETRY_S = 5.0  # init_later: between tries, and the bound of each
 # What a non-streaming exec keeps of each of its command's streams: the answer is built in the
 # server's memory, and what a command prints is up to the program in the sandbox.
 EXEC_OUTPUT_LIMIT = 16 << 20
-
-
-
-INIT_RETRY_S = 5.0  # init_later: between tries, and the bound of each
 
 
 async def together(*work: Coroutine[Any, Any, object]) -> None:
@@ -511,13 +508,10 @@ class Orchestrator:
             log.exception("sandbox %s: freeing its resources failed", live.id)
             reason, freed = f"{reason}; freeing its resources failed ({exc}): a kill tries again", False
         if live.record.state != State.ERROR and allowed(live.record.state, State.ERROR):
-            live.record = live.record.with_(state=State.ERROR, error=reason,
-                                            slot_index=live.slot.index if live.slot else None,
-                                            end_at=max(live.record.end_at, time.time() + self.settings.error_keep_s))
-            try:
-                await self.store.put(live.record)
-            except StorageError:  # it is in error all the same; a restart finds its VM gone
-                log.exception("sandbox %s: recording its failure failed", live.id)
+            # In error all the same if the store fails (a restart then finds its VM gone).
+            await self._record(live, live.record.with_(
+                state=State.ERROR, error=reason, slot_index=live.slot.index if live.slot else None,
+                end_at=max(live.record.end_at, time.time() + self.settings.error_keep_s)))
         return freed
 
     def _watch(self, live: LiveSandbox) -> None:
@@ -538,13 +532,14 @@ class Orchestrator:
             tail = live.machine.spec.console_tail(300) if live.machine else ""
             await self._fail(live, "QEMU exited unexpectedly (killed or crashed)" + (f"; console: {tail}" if tail else ""))
 
-    async def _transition(self, live: LiveSandbox, dst: State) -> None:
-        """Recorded, then taken: a store that fails (StorageError) leaves the sandbox in the
-        state it had, in memory as on disk, not in a transition nothing will finish."""
+    async def _transition(self, live: LiveSandbox, dst: State, **changes: Any) -> None:
+        """Recorded, then taken, with ``changes`` to other fields of the record made with it:
+        a store that fails (StorageError) leaves the sandbox as it was, in memory as on disk,
+        not in a transition nothing will finish."""
         src = live.record.state
         if not allowed(src, dst):
             raise SandboxStateError(live.id, src.value, f"in a state that can become {dst.value}")
-        new = live.record.with_(state=dst)
+        new = live.record.with_(state=dst, **changes)
         await self.store.put(new)
         live.record = new
         log.info("sandbox %s: %s -> %s", live.id, src.value, dst.value)

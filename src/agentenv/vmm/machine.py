@@ -175,6 +175,7 @@ class Machine:
         finally:
             if not self.exited:
                 kill_pid(self.pid)
+        if not self.exited:
             try:
                 await asyncio.wait_for(self.wait_exit(), 5)
             except TimeoutError as exc:
