@@ -28,7 +28,7 @@ import httpx
 
 from agentenv.envd_client.transport import GuestTransport
 
-__all__ = ["CommandResult", "EnvdClient", "EnvdError", "EnvdUnavailable", "ProcessEvent"]
+__all__ = ["CommandResult", "EnvdClient", "EnvdError", "EnvdUnavailable", "MAX_MESSAGE_BYTES", "ProcessEvent"]
 
 # HTTP status -> Connect code, for plain (non-Connect) error responses (reference §3.4).
 _STATUS_CODES = {
@@ -42,6 +42,13 @@ _END_STREAM = 0x02
 # stream that stays silent for several intervals (a dead VM never closes the TCP connection).
 _KEEPALIVE_S = 20
 _STREAM_READ_TIMEOUT_S = 4 * _KEEPALIVE_S
+# The most this client takes from a guest in one answer or one stream message. What a guest
+# sends is the sandbox's to choose (a program in it can replace the agent): without a bound, one
+# declared length of 4 GiB would grow the server's memory for every sandbox on the node. The
+# agent's own answers are far smaller (output comes in chunks of tens of KiB).
+MAX_MESSAGE_BYTES = 16 << 20
+# Of an error answer, only the start is kept (its message is cut to 500 characters).
+_MAX_ERROR_BYTES = 64 << 10
 
 OutputCallback = Callable[[bytes], "Awaitable[None] | None"]
 
@@ -91,6 +98,47 @@ class ProcessEvent:
     exited: bool = False
     status: str = ""
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A whole (bounded) answer of the agent."""
+
+    status_code: int
+    content: bytes
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.content)
+        except ValueError as exc:
+            raise EnvdError("internal", f"malformed answer from the guest agent: {exc}") from exc
+
+
+def _too_large(what: str, limit: int) -> EnvdError:
+    return EnvdError("resource_exhausted", f"{what}: the guest agent's answer passed {limit} bytes "
+                                           f"(a sandbox may send at most that much in one message)")
+
+
+async def _read_capped(resp: httpx.Response, limit: int | None, what: str) -> bytes:
+    """The body of a streamed response, refused once it passes ``limit`` bytes."""
+    if limit is not None and int(resp.headers.get("content-length") or 0) > limit:
+        raise _too_large(what, limit)
+    body = bytearray()
+    async for chunk in resp.aiter_bytes():
+        body += chunk
+        if limit is not None and len(body) > limit:
+            raise _too_large(what, limit)
+    return bytes(body)
+
+
+async def _read_error(resp: httpx.Response) -> bytes:
+    """The start of an error answer's body (all its message needs); the rest is not read."""
+    body = bytearray()
+    async for chunk in resp.aiter_bytes():
+        body += chunk
+        if len(body) >= _MAX_ERROR_BYTES:
+            break
+    return bytes(body[:_MAX_ERROR_BYTES])
 
 
 def _parse_event(message: dict) -> ProcessEvent | None:
@@ -205,11 +253,28 @@ class EnvdClient:
             headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
         return headers
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _request(self, method: str, path: str, *, limit: int | None = MAX_MESSAGE_BYTES,
+                       **kwargs: Any) -> _Answer:
+        """A request and its whole answer, of at most ``limit`` bytes (None: no bound)."""
+        what = f"{method} {self.base_url}{path}"
+        timeout = kwargs.pop("timeout", httpx.USE_CLIENT_DEFAULT)
+        request = self._http.build_request(method, path, timeout=timeout, **kwargs)
+        resp = await self._send(request, what)
         try:
-            return await self._http.request(method, path, **kwargs)
+            body = await (_read_capped(resp, limit, what) if 200 <= resp.status_code < 300 else _read_error(resp))
         except httpx.TransportError as exc:
-            raise EnvdUnavailable(f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+            raise EnvdUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await resp.aclose()
+        return _Answer(resp.status_code, body)
+
+    async def _send(self, request: httpx.Request, what: str) -> httpx.Response:
+        """Send with a streamed response body (the caller closes it); transport failures
+        become EnvdUnavailable."""
+        try:
+            return await self._http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise EnvdUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
     async def rpc(self, method: str, message: dict, user: str | None = None) -> dict:
         """A unary Connect call, e.g. ``rpc("filesystem.Filesystem/Stat", {"path": "/"})``."""
@@ -224,13 +289,12 @@ class EnvdClient:
     async def _send_stream(self, request: httpx.Request, what: str) -> httpx.Response:
         """Send with a streamed response body; transport failures become EnvdUnavailable and a
         non-200 answer its EnvdError (the response is closed then). The caller closes it otherwise."""
-        try:
-            resp = await self._http.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise EnvdUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+        resp = await self._send(request, what)
         if resp.status_code != 200:
             try:
-                raise _error_from_body(resp.status_code, await resp.aread())
+                raise _error_from_body(resp.status_code, await _read_error(resp))
+            except httpx.TransportError as exc:
+                raise EnvdUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
             finally:
                 await resp.aclose()
         return resp
@@ -254,6 +318,8 @@ class EnvdClient:
                 buf += chunk
                 while len(buf) >= 5:
                     flags, length = struct.unpack(">BI", buf[:5])
+                    if length > MAX_MESSAGE_BYTES:
+                        raise _too_large(method, MAX_MESSAGE_BYTES)
                     if len(buf) < 5 + length:
                         break
                     payload = json.loads(bytes(buf[5:5 + length]))
@@ -486,7 +552,9 @@ class EnvdClient:
             timeout=httpx.Timeout(self.timeout, write=None))
         resp = await self._send_stream(request, "process.Process/StreamInput")
         try:
-            body_bytes = await resp.aread()
+            body_bytes = await _read_capped(resp, MAX_MESSAGE_BYTES, "process.Process/StreamInput")
+        except httpx.TransportError as exc:
+            raise EnvdUnavailable(f"process.Process/StreamInput: {type(exc).__name__}: {exc}") from exc
         finally:
             await resp.aclose()
         _check_end_stream(body_bytes, "process.Process/StreamInput")
@@ -567,8 +635,9 @@ class EnvdClient:
         return {"path": path, **({"username": user} if user else {})}
 
     async def read_file(self, path: str, user: str | None = None) -> bytes:
+        """The whole file, in memory and unbounded (small files; :meth:`download` streams)."""
         # identity: the agent gzips when asked (as envd does), which only costs guest CPU here.
-        resp = await self._request("GET", "/files", params=self._file_params(path, user),
+        resp = await self._request("GET", "/files", params=self._file_params(path, user), limit=None,
                                    headers=self._headers(**{"Accept-Encoding": "identity"}))
         if resp.status_code != 200:
             raise _error_from_body(resp.status_code, resp.content)
