@@ -128,7 +128,7 @@ async def recover(orch: Orchestrator) -> None:
             log.info("removing %s manifest %s left by an interrupted operation", cp.kind, cp.id)
             orch.repo.delete(cp.id)
     await orch.gc(staging_older_than=0)
-    await asyncio.to_thread(orch.snapshots.remove_stale, orch.catalog, orch.template_snapshots_in_use())
+    await orch.snapshots.remove_stale(orch.catalog, orch.template_snapshots_in_use)
     keep = {r.record.slot_index for r in orch._live.values() if r.record.slot_index is not None}
     removed = await orch.slots.remove_orphans({k for k in keep if k is not None})
     if removed:

@@ -676,7 +676,7 @@ class Orchestrator:
         self.snapshots.forget(name)
         for d in self.snapshots.dirs_of(name):
             await self.pool.forget(d)
-        await asyncio.to_thread(self.snapshots.remove_stale, self.catalog, self.template_snapshots_in_use())
+        await self.snapshots.remove_stale(self.catalog, self.template_snapshots_in_use)
 
     def template_snapshots_in_use(self) -> set[str]:
         """Template snapshot dirs and memory files that sandboxes or saved states start from,

@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from agentenv.config import DEFAULT_TCG_CPU
 from agentenv.envd_client import EnvdClient, EnvdUnavailable
@@ -36,6 +36,10 @@ from agentenv.storage.template_snapshot import TMP_SUFFIX
 from agentenv.vmm import AccelInfo, Machine, MachineSpec
 
 log = logging.getLogger(__name__)
+
+# Where removed template snapshots wait for their deletion (a dir under the templates root, a
+# suffix for memory files): out of every lookup's sight from the moment they are removed.
+_TRASH = ".removing"
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,17 @@ class TemplateCatalog:
         return out
 
 
+def _delete(paths: list[Path], then_empty: Path | None = None) -> None:
+    for p in paths:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if then_empty is not None:
+        with contextlib.suppress(OSError):  # absent, or another removal's files are in it
+            then_empty.rmdir()
+
+
 def guest_link_spec() -> dict[str, str]:
     """The guest side of the network link, identical in every sandbox."""
     return {"guest_mac": GUEST_MAC, "guest_ip": f"{GUEST_ADDR}/30", "guest_gw": GUEST_GW}
@@ -143,40 +158,75 @@ class SnapshotBuilder:
         """The -cpu of new snapshots: the TCG model, or "host" under KVM."""
         return self.accel.cpu_model(self.tcg_cpu)
 
-    def remove_stale(self, catalog: TemplateCatalog, keep: set[str]) -> list[str]:
+    async def remove_stale(self, catalog: TemplateCatalog, in_use: Callable[[], set[str]]) -> list[str]:
         """Remove template snapshots built from inputs that are no longer current (an image or
-        accelerator change made new ones) unless ``keep`` names them, by directory or memory
-        file (a checkpoint or a sandbox still needs them). Each holds ~100+ MiB of tmpfs."""
+        accelerator change made new ones) unless ``in_use()`` names them, by directory or
+        memory file (a checkpoint or a sandbox still needs them, or a create, fork or wake
+        has claimed them), or a lookup or build of theirs is in progress. Each holds ~100+
+        MiB of tmpfs.
+
+        The candidates are found in a thread; whether each is still unused is decided, and it
+        is moved out of sight, on the event loop with no await in between. A create claims the
+        snapshot it looked up with no await after its lookup either, so of the two one always
+        sees the other: a snapshot is never removed under a sandbox that starts from it."""
+        stale, orphans = await asyncio.to_thread(self._find_stale, catalog)
+        keep = in_use() | self._busy()
+        trash = self.root / _TRASH
+        doomed: list[Path] = []
+        removed: list[str] = []
+        for d, mem in stale:
+            if str(d) in keep or (mem is not None and str(mem) in keep) or not d.exists():
+                continue
+            self._cache.pop(d, None)
+            trash.mkdir(exist_ok=True)
+            doomed.append(trash / f"{d.parent.parent.name}-{d.name}")
+            os.replace(d, doomed[-1])  # gone from lookups at once; deleted below, in a thread
+            if mem is not None and mem.exists():
+                doomed.append(mem.with_name(mem.name + _TRASH))
+                os.replace(mem, doomed[-1])
+            removed.append(str(d))
+        for mem in orphans:
+            if str(mem) not in keep and mem.exists():
+                doomed.append(mem.with_name(mem.name + _TRASH))
+                os.replace(mem, doomed[-1])
+                removed.append(str(mem))
+        await asyncio.to_thread(_delete, doomed, trash)
+        for d in removed:
+            log.info("removed stale template snapshot %s", d)
+        return removed
+
+    def _busy(self) -> set[str]:
+        """Snapshot dirs (and their memory files) a lookup or build holds the lock of."""
+        dirs = [d for d, lock in self._locks.items() if lock.locked()]
+        return {str(d) for d in dirs} | {str(self.mem_dir / f"{d.parent.parent.name}-{d.name}.mem") for d in dirs}
+
+    def _find_stale(self, catalog: TemplateCatalog) -> tuple[list[tuple[Path, Path | None]], list[Path]]:
+        """Snapshots (dir, memory file) not of a current template, and memory files no
+        snapshot owns (a build cut short by a crash); what an earlier removal left in the
+        trash (a crash) is deleted here."""
         current = {t.name: self.snapshot_dir(t, 1, 2).name.rsplit("-", 1)[1] for t in catalog.list()}
-        removed = []
+        leftovers = list((self.root / _TRASH).glob("*")) if (self.root / _TRASH).exists() else []
+        if self.mem_dir.exists():
+            leftovers += self.mem_dir.glob(f"*{_TRASH}")
+        _delete(leftovers)
+        stale: list[tuple[Path, Path | None]] = []
+        owned: set[str] = set()
         for meta in self.root.glob("*/snapshots/*/meta.json"):
             d = meta.parent
-            template = d.parent.parent.name
-            if str(d) in keep or current.get(template) == d.name.rsplit("-", 1)[1]:
-                continue
             snap = TemplateSnapshot.load(d)
-            if snap is not None and str(snap.mem_file) in keep:
-                continue
             if snap is not None:
-                snap.mem_file.unlink(missing_ok=True)
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(str(d))
-        # memory files no snapshot owns (a build cut short by a crash), and copies back from
-        # the data disk that a crash interrupted (a copy in progress is minutes younger)
-        owned = {str(s.mem_file) for m in self.root.glob("*/snapshots/*/meta.json")
-                 if (s := TemplateSnapshot.load(m.parent)) is not None}
-        for mem in self.mem_dir.glob("*.mem") if self.mem_dir.exists() else ():
-            if str(mem) not in owned and str(mem) not in keep:
-                mem.unlink(missing_ok=True)
-                removed.append(str(mem))
+                owned.add(str(snap.mem_file))
+            if current.get(d.parent.parent.name) != d.name.rsplit("-", 1)[1]:
+                stale.append((d, snap.mem_file if snap is not None else None))
+        orphans = [mem for mem in (self.mem_dir.glob("*.mem") if self.mem_dir.exists() else ())
+                   if str(mem) not in owned]
+        # copies back from the data disk that a crash interrupted (one in progress is minutes younger)
         for tmp in self.mem_dir.glob(f"*.mem.*{TMP_SUFFIX}") if self.mem_dir.exists() else ():
             with contextlib.suppress(OSError):
                 if time.time() - tmp.stat().st_mtime > 600:
                     tmp.unlink()
-                    removed.append(str(tmp))
-        for d in removed:
-            log.info("removed stale template snapshot %s", d)
-        return removed
+                    log.info("removed an interrupted copy of a template memory file, %s", tmp)
+        return stale, orphans
 
     def forget(self, template: str) -> None:
         """Drop cached lookups of a deleted template (its files go with ``remove_stale``)."""
