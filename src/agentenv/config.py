@@ -47,6 +47,7 @@ class Settings:
     max_timeout_s: int = 24 * 3600
     pool_size: int = 16  # restored, frozen sandboxes kept per hot template (a GRPO group's worth)
     snapshot_pool_size: int = 2  # the same per snapshot sandboxes were started from (orchestrator/snapshot_shells.py)
+    snapshot_pool_max: int = 16  # ... grown to its largest burst of starts (a GRPO group's reset), up to this
     snapshot_pool_idle_s: float = 300.0  # ... until nothing was started from it for this long
     background_nice: int = 10  # CPU priority of VMs made ahead of time (pools) until handed out: vmm/priority.py
     slot_pool_size: int = 20  # network namespaces kept ready: a fork of max_fork children waits for none
@@ -99,6 +100,7 @@ class Settings:
             mem_reserve_mb=int(_env("AENV_MEM_RESERVE_MB", str(d.mem_reserve_mb))),
             pool_size=int(_env("AENV_POOL_SIZE", str(d.pool_size))),
             snapshot_pool_size=int(_env("AENV_SNAPSHOT_POOL_SIZE", str(d.snapshot_pool_size))),
+            snapshot_pool_max=int(_env("AENV_SNAPSHOT_POOL_MAX", str(d.snapshot_pool_max))),
             snapshot_pool_idle_s=float(_env("AENV_SNAPSHOT_POOL_IDLE_S", str(d.snapshot_pool_idle_s))),
             slot_pool_size=int(_env("AENV_SLOT_POOL_SIZE", str(d.slot_pool_size))),
             background_nice=int(_env("AENV_BACKGROUND_NICE", str(d.background_nice))),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -157,3 +158,38 @@ def test_shells_left_by_a_crashed_server_are_removed_at_its_next_start(node: Ser
         for sid in (src, kid):
             api.delete(f"/sandboxes/{sid}")
         api.delete(f"/snapshots/{snap}")
+
+
+def test_a_group_that_resets_together_finds_its_shells_ready_the_next_time(node: ServerProcess) -> None:
+    """GRPO: the G rollouts of a group start from the episode's snapshot at once. The first
+    group restores cold (the node keeps one shell per snapshot); the snapshot then keeps G,
+    and every start of the next group takes one that is ready."""
+    group = 3
+    with node.client() as api:
+        src = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        run(api, src, "echo episode-start > /home/user/state.txt")
+        snap = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
+        api.delete(f"/sandboxes/{src}")
+
+        def start(_: int) -> str:
+            r = api.post("/sandboxes", json={"templateID": snap})
+            assert r.status_code == 201, r.text
+            return r.json()["sandboxID"]
+
+        with ThreadPoolExecutor(group) as ex:
+            first = list(ex.map(start, range(group)))
+        wait_shells(node, group, group)
+        ready = set(host.qemu_pids(str(node.data_dir))) - set().union(*(host.qemu_pids(s) for s in first))
+        for sid in first:
+            api.delete(f"/sandboxes/{sid}")
+        with ThreadPoolExecutor(group) as ex:
+            second = list(ex.map(start, range(group)))
+        for sid in second:
+            pids = set(host.qemu_pids(sid))
+            assert pids and pids <= ready, "a start of the second group restored instead of taking a shell"
+            assert run(api, sid, "cat /home/user/state.txt; echo $E2B_SANDBOX_ID")["stdout"] == f"episode-start\n{sid}\n"
+        wait_shells(node, group, group)  # made again for the next group
+        for sid in second:
+            api.delete(f"/sandboxes/{sid}")
+        assert api.delete(f"/snapshots/{snap}").status_code == 204
+        wait_shells(node, 0, 0)

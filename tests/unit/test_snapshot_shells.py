@@ -145,3 +145,37 @@ def test_no_shell_is_made_while_the_host_is_short_and_each_is_counted_at_its_lay
         assert shells.fill_level() == (2, 2) and orch.counted == [200, 200]
 
     asyncio.run(main())
+
+
+def test_a_burst_of_starts_grows_the_snapshots_shells_to_its_size_up_to_the_maximum(pool) -> None:  # noqa: ANN001
+    """A GRPO group resets together: the snapshot keeps as many shells as the most starts
+    ever under way from it at once, so the next group finds them ready; resets one after
+    another are no burst."""
+    shells, _orch, _behaviour = pool
+    shells.max_size = 5
+
+    async def main() -> None:
+        a, b, c = _cp("a"), _cp("b"), _cp("c")
+        with contextlib.ExitStack() as group:  # a group of 4 under way at once
+            for _ in range(4):
+                group.enter_context(shells.starting(a))
+        for _ in range(6):  # one reset after another
+            with shells.starting(b):
+                pass
+        with contextlib.ExitStack() as group:  # a group larger than the maximum
+            for _ in range(9):
+                group.enter_context(shells.starting(c))
+        await _pass(shells)
+        assert {k: len(v) for k, v in shells._shells.items()} == {"a": 4, "b": 2, "c": 5}
+        assert shells.fill_level() == (11, 11)
+        with contextlib.ExitStack() as group:  # the next group of a: every start has a ready shell
+            assert all(group.enter_context(shells.starting(a)) is not None for _ in range(4))
+        await _pass(shells)
+        assert len(shells._shells["a"]) == 4, "refilled to the group's size"
+        await shells.forget("a")  # cold (or deleted): its bursts are forgotten too
+        with shells.starting(a):
+            pass
+        await _pass(shells)
+        assert len(shells._shells["a"]) == 2
+
+    asyncio.run(main())

@@ -170,6 +170,52 @@ def bench_fork(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[
     return out
 
 
+GROUP = 8  # rollouts of a GRPO group reset together in bench_reset_group
+
+
+def bench_reset_group(node: LocalNode, api: httpx.Client, runs: int) -> dict[str, list[float]]:
+    """A GRPO group's reset: its ``GROUP`` rollouts killed and started again from the episode's
+    snapshot at once, until every one has answered a command. Timed once the snapshot has kept
+    a shell for each (it saw the group's first start: orchestrator/snapshot_shells.py), against
+    the baseline of that first start of the group, which restored all but a few cold."""
+    out: dict[str, list[float]] = {"reset_group8_ms": [], "reset_group8_first_ms": []}
+    src = _create(api)
+    try:
+        _run(api, src, _dirty(20))
+        for _ in range(max(1, min(runs, 3))):
+            snap = api.post(f"/sandboxes/{src}/snapshots", json={}).json()["snapshotID"]
+            kids = [_create(api, snap)]  # an episode began from it: hot, with its usual shells
+            try:
+                wait_pool(node)
+                kids = _timed_group(api, kids, snap, out["reset_group8_first_ms"])
+                wait_pool(node, timeout=300)  # a shell for each of the group
+                kids = _timed_group(api, kids, snap, out["reset_group8_ms"])
+            finally:
+                for k in kids:
+                    api.delete(f"/sandboxes/{k}")
+                api.delete(f"/snapshots/{snap}")
+    finally:
+        api.delete(f"/sandboxes/{src}")
+    return out
+
+
+def _timed_group(api: httpx.Client, kids: list[str], snap: str, into: list[float]) -> list[str]:
+    """Kill ``kids`` and start ``GROUP`` sandboxes from ``snap`` at once, each until it has
+    answered a command; timed into ``into``. The new ids."""
+    def reset(i: int) -> str:
+        if i < len(kids):
+            api.delete(f"/sandboxes/{kids[i]}").raise_for_status()
+        kid = _create(api, snap)
+        _run(api, kid, "true")
+        return kid
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(GROUP) as ex:
+        new = list(ex.map(reset, range(GROUP)))
+    into.append(_ms(t0))
+    return new
+
+
 def _timed_reset(node: LocalNode, api: httpx.Client, kid: str, snap: str, into: list[float]) -> str:
     """Kill ``kid`` and start a new sandbox from ``snap``, timed into ``into``; the new id."""
     wait_pool(node)

@@ -35,6 +35,7 @@ from agentenv.bench.saved_states import (
     bench_fork,
     bench_migrate_baseline,
     bench_pause_resume,
+    bench_reset_group,
     bench_snapshot_disk,
 )
 from agentenv.bench.stats import summarize, wait_pool
@@ -322,6 +323,8 @@ SCENARIOS: dict[str, Scenario] = {
     "fork_child_pss_mb": bench_fork,
     "reset_ms": bench_fork,
     "reset_cold_ms": bench_fork,
+    "reset_group8_ms": bench_reset_group,
+    "reset_group8_first_ms": bench_reset_group,
     **{f"migrate_{op}_{mib}mib_ms": bench_migrate_baseline for op in ("save", "load") for mib in (20, 200)},
     # issue #4: through the official E2B Python SDK (bench/e2b_sdk.py)
     "e2b_tti_ms": bench_e2b_tti,

@@ -244,16 +244,16 @@ async def create_from_snapshot(orch: Orchestrator, id_or_name: str, *, timeout_s
     timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
     template, env, meta = cp.name or cp.id, dict(env_vars or {}), {**cp.metadata, **(metadata or {})}
     orch.check_count()
-    shell = orch.snapshot_shells.take(cp)
-    if shell is not None:  # its VM holds its memory already: counted, not admitted by memory again
-        with orch.counting(), orch.pinning(cp):
-            rec = await _from_shell(orch, cp, shell, template=template, env_vars=env, metadata=meta,
-                                    timeout_s=timeout, options=options)
-        if rec is not None:
-            return rec
-    async with orch.admitted(starting=cp):
-        return await _new_sandbox(orch, cp, template=template, env_vars=env, metadata=meta, timeout_s=timeout,
-                                  options=options)
+    with orch.snapshot_shells.starting(cp) as shell:
+        if shell is not None:  # its VM holds its memory already: counted, not admitted by memory again
+            with orch.counting(), orch.pinning(cp):
+                rec = await _from_shell(orch, cp, shell, template=template, env_vars=env, metadata=meta,
+                                        timeout_s=timeout, options=options)
+            if rec is not None:
+                return rec
+        async with orch.admitted(starting=cp):
+            return await _new_sandbox(orch, cp, template=template, env_vars=env, metadata=meta,
+                                      timeout_s=timeout, options=options)
 
 
 async def _from_shell(orch: Orchestrator, cp: Checkpoint, shell: SnapshotShell, *, template: str,

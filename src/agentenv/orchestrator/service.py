@@ -118,7 +118,8 @@ class Orchestrator:
                              # parked VMs go first (orchestrator/parking.py)
                              must_shrink=lambda: below_reserve(settings.mem_reserve_mb) and not parking.parked(self))
         # Primed sandboxes of the snapshots sandboxes were recently started from (a GRPO reset)
-        self.snapshot_shells = SnapshotShells(self, settings.snapshot_pool_size, settings.snapshot_pool_idle_s)
+        self.snapshot_shells = SnapshotShells(self, settings.snapshot_pool_size, settings.snapshot_pool_idle_s,
+                                              max_size=settings.snapshot_pool_max)
         self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
         self.repo = SnapshotRepository(settings.repository, spare_bytes=settings.spare_layers_mb << 20)
         self.checkpoints = Checkpointer(

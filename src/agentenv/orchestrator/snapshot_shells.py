@@ -10,7 +10,14 @@ own id, token and fresh entropy, primed with the warm-up commands and frozen. A 
 that snapshot takes one, continues it with the clock, the create's env vars and its network
 policy, and records it. A snapshot nobody started from for ``idle_s`` is cold again and its
 shells are destroyed; deleting the snapshot destroys them first. At most ``MAX_HOT`` snapshots
-are hot at once (the least recently used goes). Shells take memory as running sandboxes do:
+are hot at once (the least recently used goes).
+
+A GRPO group resets together: its G rollouts start from the episode's snapshot at once. So a
+snapshot keeps ``size`` shells until more starts from it are under way at the same time, and
+then as many as the most that ever were (its largest burst), up to ``max_size`` (a group's
+worth, ``AENV_SNAPSHOT_POOL_MAX``): the first group pays its cold restores, the next ones
+find theirs ready. Resets one after another are no burst, however close together. A snapshot
+that goes cold forgets its bursts. Shells take memory as running sandboxes do:
 one is made only while the host has room for it beyond the reserve (counted, while it is
 restored, at the size of the layers it writes into its RAM, as a resume is), and below the
 reserve they are destroyed. A snapshot whose shell could not be made (its priming failed, or
@@ -23,9 +30,11 @@ recovery kills their QEMUs and removes the dirs, as it does for the warm pool's 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,16 +67,36 @@ class SnapshotShell:
 
 
 class SnapshotShells:
-    def __init__(self, orch: Orchestrator, size: int, idle_s: float) -> None:
+    def __init__(self, orch: Orchestrator, size: int, idle_s: float, max_size: int | None = None) -> None:
         self._orch = orch
         self.size = size
+        self.max_size = size if max_size is None else max_size
         self.idle_s = idle_s
+        self._starting: collections.Counter[str] = collections.Counter()  # checkpoint id → starts under way
+        self._bursts: dict[str, int] = {}  # checkpoint id → the most starts under way at once
         self._failed: dict[str, float] = {}  # checkpoint id → when making a shell of it failed
         self._shells: dict[str, list[SnapshotShell]] = {}  # by checkpoint id
         self._hot: dict[str, tuple[Checkpoint, float]] = {}  # checkpoint id → (it, last start from it)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._destroying: set[asyncio.Task[None]] = set()
+
+    @contextlib.contextmanager
+    def starting(self, cp: Checkpoint) -> Iterator[SnapshotShell | None]:
+        """A start from ``cp``: a ready shell of it, or None (see ``take``), and the start
+        counted while it lasts, so that the snapshot keeps as many shells as its largest burst."""
+        shell = self.take(cp)
+        if cp.id not in self._hot:
+            yield shell
+            return
+        self._starting[cp.id] += 1
+        self._bursts[cp.id] = max(self._bursts.get(cp.id, 0), self._starting[cp.id])
+        try:
+            yield shell
+        finally:
+            self._starting[cp.id] -= 1
+            if self._starting[cp.id] <= 0:
+                del self._starting[cp.id]
 
     def take(self, cp: Checkpoint) -> SnapshotShell | None:
         """A ready sandbox started from ``cp``, or None. Marks ``cp`` hot (snapshots only, named
@@ -87,6 +116,10 @@ class SnapshotShells:
             self._destroy_later(shell)  # its QEMU died while it waited
         return None
 
+    def wanted(self, cp_id: str) -> int:
+        """Shells kept ready for this snapshot: ``size``, or its largest burst."""
+        return max(self.size, min(self.max_size, self._bursts.get(cp_id, 0)))
+
     def discard(self, shell: SnapshotShell) -> None:
         """A taken shell that could not be handed out."""
         self._destroy_later(shell)
@@ -95,6 +128,7 @@ class SnapshotShells:
         """Keep no shells of the snapshot (it is being deleted, or it is cold); a fill under way
         destroys what it makes once it sees the snapshot is no longer hot."""
         self._hot.pop(cp_id, None)
+        self._bursts.pop(cp_id, None)
         for shell in self._shells.pop(cp_id, []):
             self._destroy_later(shell)  # each on its own: one that fails does not keep the others
         await self._destroyed()
@@ -111,7 +145,7 @@ class SnapshotShells:
 
     def fill_level(self) -> tuple[int, int]:
         """(shells ready, shells wanted) over every hot snapshot."""
-        return sum(len(self._shells.get(k, [])) for k in self._hot), self.size * len(self._hot)
+        return sum(len(self._shells.get(k, [])) for k in self._hot), sum(self.wanted(k) for k in self._hot)
 
     def start(self) -> None:
         if self.size > 0:
@@ -171,7 +205,7 @@ class SnapshotShells:
     async def _fill(self, cp_id: str) -> None:
         """Make shells for one hot snapshot, one at a time (each is a restore plus priming on
         the node's CPUs, next to the running sandboxes)."""
-        while cp_id in self._hot and len(self._shells.setdefault(cp_id, [])) < self.size:
+        while cp_id in self._hot and len(self._shells.setdefault(cp_id, [])) < self.wanted(cp_id):
             cp = self._hot[cp_id][0]
             layers_mb = sum(r.size for r in cp.memory) >> 20
             if self._orch.memory_for(2, layers_mb) is not None:  # as the warm pool: one short of creates
