@@ -175,24 +175,28 @@ def test_cli_pull_then_start(node: ServerProcess, images) -> None:
 
 
 def test_build_steps_on_an_image_without_bash(api: httpx.Client, images) -> None:
-    """fromImage: the build pulls the image, runs its steps in the image's /bin/sh, snapshots."""
+    """fromImage: the build pulls the image, runs its steps in the image's /bin/sh, snapshots.
+    The build is named like its image (``busybox`` from ``tiny/busybox``): the image it
+    starts from must not take that name, or creates would start from the bare image and a
+    rebuild be refused."""
     from tests.e2e.test_template_build import request_build, wait_build
 
-    tid, bid = request_build(api, "bb-built")
-    r = api.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": images["busybox"].ref, "steps": [
-        {"type": "RUN", "args": ["echo built-in-image > /work/built.txt", "root"]},
-        {"type": "ENV", "args": ["STAGE", "two"]},
-    ]})
-    assert r.status_code == 202, r.text
-    st, entries = wait_build(api, tid, bid)
-    assert st["status"] == "ready", entries[-5:]
-    sid = _sandbox(api, "bb-built")
-    try:
-        out = run(api, sid, "cat /work/built.txt; echo $STAGE $AENV_TEST")
-        assert out["stdout"].split() == ["built-in-image", "two", "busybox"], out
-    finally:
-        api.delete(f"/sandboxes/{sid}")
-    assert api.delete("/templates/bb-built").status_code == 204
+    for stage in ("two", "three"):  # a build, then a rebuild under the same name
+        tid, bid = request_build(api, "busybox")
+        r = api.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": images["busybox"].ref, "steps": [
+            {"type": "RUN", "args": ["echo built-in-image > /work/built.txt", "root"]},
+            {"type": "ENV", "args": ["STAGE", stage]},
+        ]})
+        assert r.status_code == 202, r.text
+        st, entries = wait_build(api, tid, bid)
+        assert st["status"] == "ready", entries[-5:]
+        sid = _sandbox(api, "busybox")
+        try:
+            out = run(api, sid, "cat /work/built.txt; echo $STAGE $AENV_TEST")
+            assert out["stdout"].split() == ["built-in-image", stage, "busybox"], out
+        finally:
+            api.delete(f"/sandboxes/{sid}")
+    assert api.delete("/templates/busybox").status_code == 204
 
 
 def _age(paths: list[Path]) -> None:

@@ -9,6 +9,7 @@ recorded with the template; Env, WorkingDir and User become the defaults of its 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 TEMPLATE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 RESERVED = {"base"}  # the default template is `aenv setup`'s, not a pull's
+BUILD_BASE_PREFIX = "from-image."  # images template builds start from (build_base_name)
 DEFAULT_DISK_MB = 4096
 MAX_DISK_MB = 65536
 
@@ -38,6 +40,17 @@ MAX_DISK_MB = 65536
 def default_name(ref: ImageRef) -> str:
     """``docker.io/library/ubuntu:22.04`` → ``ubuntu``: the last path component."""
     return ref.repository.rsplit("/", 1)[-1].lower()
+
+
+def build_base_name(orch: Orchestrator, image: str) -> str:
+    """The catalog name of an image a template build starts ``FROM``: one of its own, named
+    after the whole reference. Under the image's default name, a build named like its image
+    (``myapp`` from ``org/myapp:1``) was shadowed by it (creates took the bare image), two
+    builds from ``a/app`` and ``b/app`` shared one name, and a user's template of that name
+    was replaced."""
+    ref = parse_reference(image, default_registry=orch.registry.default_registry)
+    digest = hashlib.sha256(str(ref).encode()).hexdigest()[:10]
+    return f"{BUILD_BASE_PREFIX}{default_name(ref)[:40]}-{digest}"
 
 
 def _default_user(config: oci.ImageConfig) -> str:

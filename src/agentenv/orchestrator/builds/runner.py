@@ -33,6 +33,7 @@ from agentenv.errors import (
     SandboxNotFound,
     SnapshotUnusable,
 )
+from agentenv.orchestrator import pulling
 from agentenv.orchestrator.builds import tags
 from agentenv.orchestrator.builds.records import (
     ACTIVE,
@@ -407,7 +408,7 @@ class Builds(GuestSteps):
         if spec.from_image:
             self._log(b, f"Pulling image {spec.from_image}", step="base")
             kw = {"username": spec.registry.username, "password": spec.registry.password} if spec.registry else {}
-            t = await orch.pull(spec.from_image, **kw)
+            t = await orch.pull(spec.from_image, name=pulling.build_base_name(orch, spec.from_image), **kw)
             name = t.name
         else:
             try:  # E2B's fromTemplate may name a tag: "name:tag"
