@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import socket
 import subprocess
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ns_addr, run
-from tests.framework.net import node_cidr
+from tests.framework.net import TEST_NET, node_cidr
 from tests.framework.server import ServerProcess
 
 
@@ -54,6 +57,60 @@ def test_sandboxes_are_isolated_from_each_other_and_the_host(api: httpx.Client, 
         listener.close()
         for s in (a, b):
             api.delete(f"/sandboxes/{s}")
+
+
+def test_a_port_the_host_publishes_by_dnat_is_no_way_out(api: httpx.Client, server: ServerProcess) -> None:
+    """``docker run -p``, a Kubernetes NodePort: the host rewrites connections to one of its
+    ports into connections to a container. A guest must not get through such a port to a
+    service it may not reach directly (here one on a private address, in a namespace of its
+    own behind the host, as a container is)."""
+    n = TEST_NET.network_address.packed[1]
+    net = next(ipaddress.ip_network(node_cidr(49)).subnets(new_prefix=30))
+    host_end, svc_ip = str(net[1]), str(net[2])
+    ns, veth, table = f"aenv-test-svc{n}", f"tsvc{n}", f"aenvtest_dnat{n}"
+    host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
+
+    def sh(*argv: str, check: bool = True) -> None:
+        subprocess.run(argv, check=check, capture_output=True)
+
+    def clean() -> None:
+        sh("nft", "delete", "table", "ip", table, check=False)
+        sh("ip", "link", "del", veth, check=False)
+        sh("ip", "netns", "del", ns, check=False)
+
+    clean()
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    service = None
+    try:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "svc0", "netns", ns)
+        sh("ip", "addr", "add", f"{host_end}/30", "dev", veth)
+        sh("ip", "link", "set", veth, "up")
+        for cmd in (["addr", "add", f"{svc_ip}/30", "dev", "svc0"], ["link", "set", "svc0", "up"],
+                    ["link", "set", "lo", "up"], ["route", "add", "default", "via", host_end]):
+            sh("ip", "-n", ns, *cmd)
+        service = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "http.server", "8080",
+                                    "--bind", svc_ip, "--directory", "/etc"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://{svc_ip}:8080/hostname", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the service did not start")
+        rules = (f"table ip {table} {{\n chain pre {{\n type nat hook prerouting priority dstnat; policy accept;\n"
+                 f" ip daddr {host_ip} tcp dport 18080 dnat to {svc_ip}:8080\n }}\n}}\n")
+        subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True, capture_output=True)
+        r = run(api, sid, f"curl -s -m 3 -o /dev/null -w '%{{http_code}}' http://{host_ip}:18080/hostname; "
+                          f"echo ' rc='$?")
+        assert "200" not in r["stdout"] and "rc=0" not in r["stdout"], r
+    finally:
+        if service is not None:
+            service.kill()
+            service.wait()
+        clean()
+        api.delete(f"/sandboxes/{sid}")
 
 
 def test_a_guest_sends_nothing_out_before_its_sandbox_has_a_policy(tmp_path: Path) -> None:

@@ -26,7 +26,8 @@ def namespace_ruleset(ns_addr: str, dns_addr: str | None = None) -> str:
     """Inside one sandbox namespace: DNAT host→guest, masquerade guest→out, deny private ranges.
     A packet from the guest with any source but the guest's own address is dropped: forged
     sources would leave un-NATed (spoofed traffic from this host) or, as another slot's
-    address, open a path to that sandbox through an outside relay. With ``dns_addr``, DNS
+    address, open a path to that sandbox through an outside relay. So is one conntrack calls
+    invalid (a forged ICMP error, say): it would pass un-NATed too. With ``dns_addr``, DNS
     sent to the guest's gateway goes to the host's forwarder there (network/dns.py), the one
     host address a guest reaches, on port 53 only and whatever its egress policy."""
     denied = ", ".join(ALWAYS_DENIED)
@@ -50,6 +51,7 @@ table ip aenv {{
   chain forward {{
     type filter hook forward priority filter; policy drop;
     iifname "tap0" ip saddr != {GUEST_ADDR} drop
+    ct state invalid drop
     ct state established,related accept
     iifname "vpeer" oifname "tap0" ip daddr {GUEST_ADDR} accept
     {dns_accept}
@@ -68,7 +70,10 @@ table ip aenv {{
 
 def host_ruleset(table: str, ifprefix: str, slot_cidr: str, dns_addr: str | None = None) -> str:
     """On the host: sandboxes reach neither each other nor the host (but its DNS forwarder on
-    port 53); outbound is masqueraded."""
+    port 53); outbound is masqueraded. A connection from a sandbox that the host rewrites to
+    another address (a published port: ``docker run -p``, a Kubernetes NodePort, a firewalld
+    forward) is dropped: it would be forwarded to a container or service the namespace's
+    checks never saw the address of."""
     dns = (f'iifname "{ifprefix}*" ip daddr {dns_addr} meta l4proto {{ udp, tcp }} th dport 53 accept'
            if dns_addr else "")
     return f"""
@@ -82,6 +87,7 @@ table inet {table} {{
   chain forward {{
     type filter hook forward priority filter; policy accept;
     iifname "{ifprefix}*" ct state established,related accept
+    iifname "{ifprefix}*" ct status dnat drop
     iifname "{ifprefix}*" ip daddr {slot_cidr} drop
     oifname "{ifprefix}*" ct state new drop
   }}
