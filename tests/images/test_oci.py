@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -435,6 +436,43 @@ async def test_a_layer_bomb_is_refused_before_it_is_unpacked(registry, cache, tm
     assert time.monotonic() - t0 < 60
     assert [p.name for p in (cache / "oci").iterdir()] == [img.layout.name]  # nothing unpacked
     assert not list(tmp_path.glob("*bomb.ext4*"))
+
+
+def _tar_with_a_nul_led_size(path: Path, name: str, size: int) -> None:
+    """A tar of one file of ``size`` zero bytes whose size field starts with a NUL byte:
+    Python's tar reader reads its size as 0 (and its zeros as the end of the archive), Go's
+    (umoci's) skips the NUL and reads the real size."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = size, 0o644
+    header = bytearray(info.tobuf(format=tarfile.USTAR_FORMAT))
+    header[124:136] = b"\0" + b"%010o" % size + b"\0"
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    chunk = bytes(1 << 20)
+    with open(path, "wb") as f:
+        f.write(header)
+        for _ in range(size // len(chunk)):
+            f.write(chunk)
+        f.write(bytes(size % len(chunk) + (-size % 512) + 1024))
+
+
+@pytest.mark.parametrize("hidden_mib", [600, 8])
+async def test_a_layer_whose_headers_hide_its_size_is_refused_before_it_is_unpacked(registry, cache, tmp_path,
+                                                                                    hidden_mib):
+    """The bomb check must not trust a header the unpacker reads differently: 600 MiB behind a
+    size this server's tar reader reads as 0 is sized by the layer's stream (far more than a
+    256 MiB disk); 8 MiB of it, within the bound, is data after the archive's end and refused."""
+    tar = tmp_path / "hidden.tar"
+    _tar_with_a_nul_led_size(tar, "big", hidden_mib << 20)
+    built = build_image_from_tars(registry, f"hidden-{hidden_mib}", [tar])
+    tar.unlink()
+    img = await pull(built.ref, cache, settings_for(registry.host))
+    with pytest.raises(ImageTooLarge if hidden_mib == 600 else ImageCorrupt) as ei:
+        await to_ext4(img, tmp_path / "hidden.ext4", size_mb=256)
+    assert ("far more than the 256 MiB disk" if hidden_mib == 600 else "after the end of its tar archive") \
+        in ei.value.message
+    assert [p.name for p in (cache / "oci").iterdir()] == [img.layout.name]  # nothing unpacked
+    assert not list(tmp_path.glob("*hidden.ext4*"))
 
 
 # ---------------------------------------------------------------- mirrors

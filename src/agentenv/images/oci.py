@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import hashlib
 import json
 import logging
@@ -322,26 +323,68 @@ async def _tree_mib(tree: Path) -> float:
 BOMB_FACTOR = 2  # layers that claim more than this times the disk are refused before unpacking
 
 
+# Bytes a layer's stream may hold after the end of its tar archive: the end blocks and a
+# writer's padding to its record size (GNU tar: 10 KiB). More is data the unpacker may read
+# as files where this reader saw the end (their tar readers disagree on some headers).
+TRAILING_SLACK = 1 << 20
+
+
+class _Counted:
+    """A binary stream that counts the bytes read from it."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.count = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self.count += len(data)
+        return data
+
+
 def _expansion(layout: Path, manifest: dict[str, Any], max_bytes: int, max_entries: int) -> tuple[int, int]:
-    """(bytes, entries) the layers' tar streams declare, summed over all layers (an upper bound
-    of the tree: later layers may overwrite or delete); it stops as soon as either passes its
-    maximum. Sparse files count with their full size, as umoci writes them. Every layer is
-    gzip or plain tar (the pull recompresses zstd). Blocking: call in a thread."""
+    """(bytes, entries) the layers unpack to at most, summed over all layers (an upper bound of
+    the tree: later layers may overwrite or delete); it stops as soon as either passes its
+    maximum. A layer counts as the larger of what its tar headers declare (sparse files with
+    their full size, as umoci writes them) and its whole decompressed stream: umoci's Go tar
+    reader and Python's disagree on some headers (a size field that starts with a NUL byte is
+    0 here, not there), so the headers alone can hide a bomb. Data after what this reader sees
+    as the end of the archive is refused (ImageCorrupt). Every layer is gzip or plain tar
+    (the pull recompresses zstd). Blocking: call in a thread."""
     total = entries = 0
     for desc in manifest["layers"]:
         path = layout / "blobs" / "sha256" / str(desc["digest"]).partition(":")[2]
-        try:
-            with tarfile.open(path, mode="r|*") as t:
-                for member in t:
-                    entries += 1
-                    total += max(member.size, 0)
-                    t.members.clear()  # tarfile keeps every member read: millions of headers are GiBs
-                    if total > max_bytes or entries > max_entries:
-                        return total, entries
-        except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
-            # What was read counts. Tar writers differ (umoci's own layers end without the
-            # last padding, which Python's reader calls truncated); umoci judges the rest.
-            log.info("layer %s: sized up to a tar read error (%s)", desc["digest"], exc)
+        declared = 0
+        with open(path, "rb") as raw:
+            gzipped = raw.read(2) == b"\x1f\x8b"
+            raw.seek(0)
+            stream = _Counted(gzip.GzipFile(fileobj=raw, mode="rb") if gzipped else raw)
+            try:
+                ended = False
+                try:
+                    with tarfile.open(fileobj=stream, mode="r|") as t:  # type: ignore[call-overload]
+                        for member in t:
+                            entries += 1
+                            declared += max(member.size, 0)
+                            t.members.clear()  # tarfile keeps every member read: millions of headers are GiBs
+                            if total + declared > max_bytes or entries > max_entries:
+                                return total + declared, entries
+                    ended = True
+                except tarfile.TarError as exc:
+                    # Tar writers differ (umoci's own layers end without the last padding, which
+                    # Python's reader calls truncated); what is left is still counted below.
+                    log.info("layer %s: headers read up to a tar error (%s)", desc["digest"], exc)
+                read = stream.count
+                while total + max(declared, stream.count) <= max_bytes and stream.read(1 << 20):
+                    pass
+            except (OSError, EOFError, zlib.error) as exc:
+                raise ImageCorrupt(f"layer {desc['digest']} does not decompress: {exc}") from None
+            total += max(declared, stream.count)
+            if total > max_bytes:
+                return total, entries
+            if ended and stream.count - read > TRAILING_SLACK:
+                raise ImageCorrupt(f"layer {desc['digest']} holds {stream.count - read} bytes after the end of its "
+                                   f"tar archive (a header this server reads differently from the unpacker)")
     return total, entries
 
 
