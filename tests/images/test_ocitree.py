@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,27 @@ def test_a_device_for_an_account_table_is_refused_at_once(tmp_path: Path) -> Non
     os.mknod(root / "etc" / "shadow", 0o644 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero: endless
     exc = _prepare_within(root, 10)
     assert isinstance(exc, InvalidRequest) and "/etc/shadow is not a regular file" in exc.message
+
+
+def test_a_link_to_a_huge_file_is_not_read_into_memory(tmp_path: Path) -> None:
+    """/etc/resolv.conf and /etc/hosts are made regular files with the content they linked to;
+    a link to a file of GiBs (or to a FIFO) gets the default content instead."""
+    root = _tree(tmp_path / "t")
+    with open(root / "big", "wb") as f:
+        f.truncate(512 << 20)  # sparse: costs no disk, but 512 MiB to read
+    os.mkfifo(root / "pipe")
+    (root / "etc" / "resolv.conf").symlink_to("/big")
+    (root / "etc" / "hosts").symlink_to("../pipe")
+    tracemalloc.start()
+    try:
+        assert _prepare_within(root, 10) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak >> 20} MiB read"
+    for name in ("resolv.conf", "hosts"):
+        p = root / "etc" / name
+        assert not p.is_symlink() and p.is_file() and p.stat().st_size < 4096, name
 
 
 def test_symlinks_out_of_the_tree_are_followed_inside_it(tmp_path: Path) -> None:

@@ -65,11 +65,16 @@ def _ensure_dir(root: Path, rel: str, mode: int) -> Path:
 
 def _ensure_regular(root: Path, rel: str, default: bytes) -> None:
     """Replace a symlink (e.g. resolv.conf -> /run/systemd/…) or a missing file with a regular
-    file, keeping the content the link pointed at when that is a file inside the tree."""
+    file, keeping the content the link pointed at when that is a regular file inside the tree
+    of at most ``MAX_TABLE_BYTES`` (the image chose it: a link to a file of GiBs must not be
+    read into the server's memory)."""
     lexical = root / rel
     if lexical.is_symlink():
-        target = resolve_in(root, rel)
-        data = target.read_bytes() if target.is_file() else default
+        try:
+            text = _read_regular(resolve_in(root, rel))
+        except InvalidRequest:
+            text = None
+        data = default if text is None else text.encode()
         lexical.unlink()
         lexical.write_bytes(data)
         os.chmod(lexical, 0o644)
