@@ -399,3 +399,27 @@ def test_cli_template_build_ls_start_and_rm(node: ServerProcess, api: httpx.Clie
     assert r.returncode == 1 and "step 1" in r.stderr and "no-such-luck" in r.stderr, r.stderr
     assert aenv(node, "template", "rm", "tb-cli").returncode == 0
     assert aenv(node, "template", "rm", "tb-cli").returncode == 1
+
+
+def test_a_template_is_not_started_from_before_its_build_has_published_it(tmp_path: Path) -> None:
+    """The build's snapshot is written, then made durable under the template's name with its
+    final configuration (seconds for large layers). In between, a create by that name must not
+    start from the half-made checkpoint: it carries the build sandbox's marker, for which the
+    next server start kills a sandbox. A node of its own stops the build in between."""
+    s = ServerProcess(tmp_path / "data", node_cidr(50), AENV_POOL_SIZE="0", AENV_FAULTS="template_after_publish")
+    s.start()
+    try:
+        with s.client() as api:
+            tid, bid = request_build(api, "halfway")
+            r = api.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromTemplate": "base", "steps": [
+                {"type": "RUN", "args": ["echo built > /home/user/built.txt"]}]})
+            assert r.status_code == 202, r.text
+            deadline = time.monotonic() + 300
+            while "crash point template_after_publish reached" not in s.log.read_text(errors="replace"):
+                assert time.monotonic() < deadline, "the build never reached its snapshot"
+                time.sleep(0.2)
+            r = api.post("/sandboxes", json={"templateID": "halfway"})
+            assert r.status_code == 404, r.text
+            assert not [x for x in api.get("/sandboxes").json() if x["templateID"] == "halfway"]
+    finally:
+        s.kill_all()

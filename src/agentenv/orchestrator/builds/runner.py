@@ -457,7 +457,7 @@ class Builds(GuestSteps):
         log.info("build %s runs in sandbox %s", b.build_id, rec.id)
         return rec.id
 
-    async def _checkpoint(self, sid: str, kind: str, name: str) -> Checkpoint:
+    async def _checkpoint(self, sid: str, kind: str, name: str | None) -> Checkpoint:
         from agentenv.orchestrator.forking import _checkpoint
 
         return await _checkpoint(self.orch, self.orch._live[sid], State.SNAPSHOTTING, kind, name)
@@ -514,8 +514,12 @@ class Builds(GuestSteps):
                 with contextlib.suppress(BaseException):
                     await drain
         self._log(b, "Snapshotting the sandbox (memory, processes and disk)", step=step)
-        cp = await self._checkpoint(sid, TEMPLATE_KIND, b.template_id)
-        cp = cp.with_(env_vars=dict(cfg.env), metadata={}, default_user=cfg.user, default_workdir=cfg.workdir)
+        # Captured under no name: creates find a template's checkpoint by its name, and this
+        # one's manifest holds the build sandbox's metadata (a build's marker: the next start
+        # kills such sandboxes) until it is rewritten below, seconds later for large layers.
+        cp = await self._checkpoint(sid, TEMPLATE_KIND, None)
+        cp = cp.with_(name=b.template_id, env_vars=dict(cfg.env), metadata={}, default_user=cfg.user,
+                      default_workdir=cfg.workdir)
         # Layers on disk before the manifest that names them (a host crash must not leave a
         # durable template over layers still in the page cache).
         await asyncio.to_thread(self.orch.repo.put_durably, cp)
