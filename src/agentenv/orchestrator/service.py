@@ -60,6 +60,7 @@ from agentenv.storage import (
     SnapshotRepository,
     TemplateSnapshot,
     backing_chain,
+    ownership,
     remove_tree,
 )
 from agentenv.storage import memory_layers as ml
@@ -130,6 +131,7 @@ class Orchestrator:
         # Memory files a VM maps (or is about to) outside any sandbox's ``vm``: kept from gc
         # and template clean-up (see ``claiming``).
         self._claimed: collections.Counter[str] = collections.Counter()
+        self._owned: list[int] = []  # locks on the data dir and the repository (storage/ownership.py)
         self._tasks: list[asyncio.Task[None]] = []
         self._cleanups: set[asyncio.Task[object]] = set()  # see _in_background
         self.guest_metrics = GuestMetrics()
@@ -149,6 +151,14 @@ class Orchestrator:
         """Install host rules, re-adopt the sandboxes of a previous run, start background work."""
         from agentenv.orchestrator.recovery import recover
 
+        # Before anything is cleaned up or recovered: these must be this server's alone.
+        self._owned.append(ownership.hold(
+            self.settings.data_dir, "the data directory",
+            "another AgentENV server runs on it: stop that one, or give this one its own AENV_DATA_DIR"))
+        self._owned.append(ownership.hold(
+            self.settings.repository, "the snapshot repository",
+            "nodes cannot share one yet (each node's recovery and garbage collection would delete the "
+            "other's snapshots): give each node its own AENV_REPOSITORY_DIR"))
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         if self.settings.ksm:  # before the first QEMU starts: the mark is inherited at fork
             await asyncio.to_thread(ksm.merge_children)
@@ -212,6 +222,9 @@ class Orchestrator:
             if live.envd:
                 await live.envd.aclose()
         self.store.close()
+        for fd in self._owned:
+            os.close(fd)
+        self._owned.clear()
         running = sum(1 for s in self._live.values() if s.record.state == State.RUNNING)
         paused = sum(1 for s in self._live.values() if s.record.state == State.PAUSED)
         log.info("orchestrator stopped cleanly; %d running and %d paused sandboxes left for the next start",
