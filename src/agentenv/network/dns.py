@@ -5,13 +5,18 @@ address, and those are always denied. So every guest's ``/etc/resolv.conf`` name
 (169.254.0.22), each namespace DNATs port 53 there to the forwarder's address (the first
 address of the slot CIDR, on the host's loopback under this node's label), and the forwarder relays each
 query, as it is, to the host's resolvers (``/etc/resolv.conf``, or ``AENV_DNS_UPSTREAM``) and
-the answer back. It reads only the two-byte length of TCP messages: names are the resolver's
-business, so it needs no DNS library.
+the answer back. It reads only the two-byte length of TCP messages and a query's header and
+question type: names are the resolver's business, so it needs no DNS library.
+
+Only standard queries go through, and no zone transfer: the upstream sees the host as the
+asker, and may grant the host what it would not grant a sandbox (an internal zone's transfer,
+a dynamic update authorised by source address). Anything else is answered REFUSED here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import logging
 import struct
@@ -22,7 +27,15 @@ log = logging.getLogger(__name__)
 QUERY_TIMEOUT_S = 4.0  # per upstream; the guest's resolver retries after 5 s
 MAX_INFLIGHT = 512  # UDP queries being relayed at once; more are dropped (the client retries)
 MAX_TCP_CLIENTS = 128  # TCP connections served at once; more are closed (a guest cannot use up our descriptors)
-TCP_IDLE_S = 10.0
+# Of those, one sandbox (a source address: each namespace masquerades to its own) has at most
+# this many: a guest that floods the forwarder slows itself, not every other sandbox.
+MAX_INFLIGHT_PER_CLIENT = 64
+MAX_TCP_PER_CLIENT = 16
+TCP_IDLE_S = 10.0  # a TCP client that neither sends a query nor takes its answer for this long is closed
+
+OPCODE_QUERY = 0
+REFUSED = 5
+ZONE_TRANSFERS = (251, 252)  # IXFR, AXFR
 
 
 def host_resolvers(resolv_conf: Path = Path("/etc/resolv.conf")) -> list[tuple[str, int]]:
@@ -54,6 +67,28 @@ def parse_upstreams(value: str) -> list[tuple[str, int]]:
     return out
 
 
+def refusal(query: bytes) -> bytes | None:
+    """REFUSED for a message this forwarder does not relay (not a standard query, or a zone
+    transfer), else None. ``query`` has at least a DNS header (12 bytes)."""
+    opcode = (query[2] >> 3) & 0x0F
+    if opcode == OPCODE_QUERY and not query[2] & 0x80 and _question_type(query) not in ZONE_TRANSFERS:
+        return None
+    flags = bytes([0x80 | (query[2] & 0x79), (query[3] & 0x10) | REFUSED])  # QR, opcode, RD; CD, RCODE
+    return query[:2] + flags + bytes(8)
+
+
+def _question_type(query: bytes) -> int | None:
+    """QTYPE of the first question (after its name's labels), or None when there is none."""
+    if query[4:6] == b"\0\0":
+        return None
+    i = 12
+    while i < len(query) and query[i] != 0:
+        if query[i] & 0xC0:  # a pointer: not in a question a resolver sends
+            return None
+        i += 1 + query[i]
+    return int.from_bytes(query[i + 1:i + 3], "big") if i + 3 <= len(query) else None
+
+
 class DnsForwarder:
     """Relays DNS over UDP and TCP from ``listen``:53 to ``upstreams`` (tried in order)."""
 
@@ -62,7 +97,9 @@ class DnsForwarder:
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self._inflight: set[asyncio.Task[None]] = set()
+        self._per_client: collections.Counter[str] = collections.Counter()  # UDP queries in flight by source
         self._tcp_clients = 0
+        self._tcp_per_client: collections.Counter[str] = collections.Counter()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -83,11 +120,25 @@ class DnsForwarder:
     # -- UDP ---------------------------------------------------------------------------------
 
     def _received(self, query: bytes, client: tuple[str, int]) -> None:
-        if len(query) < 12 or len(self._inflight) >= MAX_INFLIGHT:
+        source = client[0]
+        if (len(query) < 12 or len(self._inflight) >= MAX_INFLIGHT
+                or self._per_client[source] >= MAX_INFLIGHT_PER_CLIENT):
             return  # not a DNS message, or overloaded: dropped, as a busy resolver does
+        if (refused := refusal(query)) is not None:
+            if self._udp is not None and not self._udp.is_closing():
+                self._udp.sendto(refused, client)
+            return
         task = asyncio.ensure_future(self._relay_udp(query, client))
         self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        self._per_client[source] += 1
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._inflight.discard(t)
+            self._per_client[source] -= 1
+            if self._per_client[source] <= 0:
+                del self._per_client[source]
+
+        task.add_done_callback(done)
 
     async def _relay_udp(self, query: bytes, client: tuple[str, int]) -> None:
         loop = asyncio.get_running_loop()
@@ -113,25 +164,35 @@ class DnsForwarder:
     # -- TCP ---------------------------------------------------------------------------------
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._tcp_clients >= MAX_TCP_CLIENTS:
+        peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if peer else ""
+        if self._tcp_clients >= MAX_TCP_CLIENTS or self._tcp_per_client[source] >= MAX_TCP_PER_CLIENT:
             writer.close()
             return
         self._tcp_clients += 1
+        self._tcp_per_client[source] += 1
         try:
             while True:
                 async with asyncio.timeout(TCP_IDLE_S):
                     size = struct.unpack(">H", await reader.readexactly(2))[0]
                     query = await reader.readexactly(size)
-                reply = await self._relay_tcp(query)
+                if len(query) < 12:
+                    return
+                reply = refusal(query) or await self._relay_tcp(query)
                 if reply is None:
                     return
-                writer.write(struct.pack(">H", len(reply)) + reply)
-                await writer.drain()
+                # A client that does not read its answers must not hold its connection for good.
+                async with asyncio.timeout(TCP_IDLE_S):
+                    writer.write(struct.pack(">H", len(reply)) + reply)
+                    await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             self._tcp_clients -= 1
-            writer.close()
+            self._tcp_per_client[source] -= 1
+            if self._tcp_per_client[source] <= 0:
+                del self._tcp_per_client[source]
+            writer.transport.abort()  # unsent answers of a client that stopped reading are dropped
 
     async def _relay_tcp(self, query: bytes) -> bytes | None:
         for host, port in self.upstreams:
