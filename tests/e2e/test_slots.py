@@ -85,3 +85,36 @@ def test_a_failed_command_is_a_network_error_naming_the_slot(monkeypatch: pytest
         assert _leftovers(pool, 1) == []
 
     asyncio.run(main())
+
+
+def _tracked(addr: str) -> list[str]:
+    with open("/proc/net/nf_conntrack") as f:
+        return [ln for ln in f if f"src={addr} " in ln or f"dst={addr} " in ln]
+
+
+def test_a_slot_made_again_carries_no_connection_of_the_sandbox_before() -> None:
+    """The host's conntrack table outlives a slot. An entry of the sandbox that had the
+    address before (a UDP flow its peer keeps alive) would carry the peer's packets into the
+    next sandbox given the address, as established traffic its egress policy never sees."""
+    table = "aenvtest_ct"
+    # The host tracks connections while a rule needs it, as the node's own table does.
+    rules = f"table ip {table} {{\n chain f {{\n type filter hook forward priority 0; ct state established accept\n }}\n}}\n"
+
+    async def main() -> None:
+        pool = SlotPool("tslot", CIDR, 0, dns=False)
+        subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True, capture_output=True)
+        slot = None
+        try:
+            slot = await pool.acquire()
+            subprocess.run(["ip", "netns", "exec", slot.netns, "bash", "-c",
+                            "for p in 9001 9002 9003; do echo x > /dev/udp/203.0.113.9/$p; done"], check=True)
+            assert len(_tracked(slot.ns_addr)) == 3, "the flows were not tracked: the test proves nothing"
+            await pool.release(slot)
+            slot = await pool.acquire()  # the same index again: its address too
+            assert slot.index == 1 and _tracked(slot.ns_addr) == []
+        finally:
+            if slot is not None:
+                await pool.release(slot)
+            subprocess.run(["nft", "delete", "table", "ip", table], capture_output=True)
+
+    asyncio.run(main())

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from pyroute2.conntrack import AsyncConntrack, NFCTAttrTuple
+
 from agentenv.errors import CapacityExhausted, ExternalCommandError, NetworkError
 from agentenv.network.rules import (
     GUEST_ADDR,
@@ -158,8 +160,33 @@ async def remove_namespaces(tag: str, keep: Collection[int] = ()) -> list[str]:
     return removed
 
 
+async def forget_connections(addr: str) -> int:
+    """Delete the host's conntrack entries from or to ``addr`` (a slot's namespace address);
+    how many. The host's table outlives a slot: an entry of the sandbox that had this address
+    before (a UDP flow a remote peer keeps alive, a TCP connection) would carry the peer's
+    packets into the next sandbox given the address, as established traffic its egress policy
+    never sees. Best effort: without conntrack's netlink interface there is nothing to delete."""
+    removed = 0
+    ct = AsyncConntrack()
+    try:
+        await ct.setup_endpoint()
+        for field in ("saddr", "daddr"):
+            entries = [e async for e in await ct.dump_entries(tuple_orig=NFCTAttrTuple(**{field: addr}))]
+            for entry in entries:
+                with contextlib.suppress(Exception):  # gone meanwhile (expired, or deleted by its peer's RST)
+                    await ct.delete(entry)
+                    removed += 1
+    except Exception as exc:  # noqa: BLE001 — best effort, logged
+        log.warning("could not clear conntrack entries of %s: %r", addr, exc)
+    finally:
+        ct.close()
+    return removed
+
+
 async def create_slot(slot: Slot) -> Slot:
-    """Build namespace, veth pair, tap and rules. On failure nothing is left behind."""
+    """Build namespace, veth pair, tap and rules. On failure nothing is left behind. The host
+    forgets every connection of the slot's address first (``forget_connections``)."""
+    await forget_connections(slot.ns_addr)
     host_cmds = "\n".join([
         f"netns add {slot.netns}",
         f"link add {slot.veth} type veth peer name vpeer netns {slot.netns}",
