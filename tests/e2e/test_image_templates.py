@@ -20,6 +20,7 @@ from tests.framework.registry import (
     LocalRegistry,
     build_busybox_image,
     build_debian_image,
+    build_image_from_tars,
 )
 from tests.framework.server import ServerProcess
 
@@ -203,6 +204,27 @@ def _age(paths: list[Path]) -> None:
     """Make files look older than the 10 minutes a pull in progress is protected for."""
     for p in paths:
         os.utime(p, (1_000_000_000, 1_000_000_000))
+
+
+def test_a_refused_pulls_download_is_freed_by_a_later_pull(api: httpx.Client, registries, images,
+                                                           node: ServerProcess, tmp_path: Path) -> None:
+    """A pull whose conversion is refused (too large for its disk) keeps its download for a
+    while (a retry with a larger disk reuses it); later pulls free it once it is unused and
+    older than a pull in progress could be. Before, only a template's deletion did."""
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(8 << 30)  # sparse: a tiny layer that claims 8 GiB
+    tar = tmp_path / "big.tar"
+    subprocess.run(["tar", "--sparse", "-C", str(tmp_path), "-cf", str(tar), "big"], check=True)
+    built = build_image_from_tars(registries[0], "too/big", [tar])
+    r = api.post("/images/pull", json={"image": built.ref, "name": "too-big", "diskSizeMB": 512})
+    assert r.status_code in (400, 413, 422, 507), r.text
+    layout = node.data_dir / "images" / "oci" / built.digest.removeprefix("sha256:")
+    assert layout.is_dir()
+    _age([layout])
+    assert api.post("/images/pull", json={"image": images["busybox"].ref, "name": "bb-after"}).status_code == 201
+    assert not layout.exists()
+    assert api.delete("/templates/bb-after").status_code == 204
 
 
 def test_delete_image_template_keeps_running_sandboxes_then_frees_the_image(api: httpx.Client, images,

@@ -185,11 +185,15 @@ async def _reuse(ref: ImageRef, layout: Path, digest: str) -> PulledImage | None
     if not layout.is_dir():
         return None
     try:
-        return await asyncio.to_thread(_load, ref, layout, digest, verify_layers=True)
+        pulled = await asyncio.to_thread(_load, ref, layout, digest, verify_layers=True)
     except ImageCorrupt as exc:
         log.warning("cached image %s is corrupt, pulling it again: %s", digest, exc.message)
         await _drop(layout)
         return None
+    # In use again: fresh for the clean-up of unused images, which spares what a pull in
+    # progress may still register (pulling.remove_unused_images).
+    await asyncio.to_thread(os.utime, layout)
+    return pulled
 
 
 # ---------------------------------------------------------------- pulling

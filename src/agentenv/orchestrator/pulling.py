@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -74,6 +75,9 @@ async def pull(orch: Orchestrator, image: str, *, name: str | None = None, usern
         raise InvalidRequest(f"diskSizeMB must be between 512 and {MAX_DISK_MB}, got {size}")
     base = orch.catalog.get("base").artifacts
     root = orch.settings.data_dir / "images"
+    # What earlier pulls left that no template uses (a conversion refused as too large keeps
+    # its download): each pull clears it, not only a template's deletion.
+    await asyncio.to_thread(remove_unused_images, orch)
     t0 = time.monotonic()
     pulled = await oci.pull(ref, root, orch.registry, username=username, password=password)
     out = root / "rootfs" / oci.ext4_name(pulled, size)
@@ -81,6 +85,8 @@ async def pull(orch: Orchestrator, image: str, *, name: str | None = None, usern
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             await oci.to_ext4(pulled, out, size_mb=size)
+        else:  # in use again: fresh for remove_unused_images until it is registered below
+            await asyncio.to_thread(os.utime, out)
     cfg = pulled.config
     template = Template(
         name=name, artifacts=GuestArtifacts(kernel=base.kernel, initramfs=base.initramfs, rootfs=out, tools=base.tools),
