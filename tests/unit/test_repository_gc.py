@@ -302,3 +302,20 @@ def test_a_claimed_fork_memory_file_is_kept_and_an_unclaimed_one_collected(tmp_p
         assert starting.exists()
     assert orch._claimed == {}
     assert asyncio.run(orch.gc()) == [starting.name]
+
+
+def test_a_manifest_that_does_not_fit_is_a_disk_full_error_and_leaves_no_file(tmp_path: Path) -> None:
+    """The check before a capture may pass and the disk fill up before its manifest is
+    written: that is a 507 (DiskFull) like any full disk, not a bare OSError (500), and no
+    half-written file is left in staging."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        repo = SnapshotRepository(mnt / "repo")
+        subprocess.run(["dd", "if=/dev/zero", f"of={mnt / 'fill'}", "bs=64k"], capture_output=True)
+        with pytest.raises(DiskFull, match="manifest of c1"):
+            repo.put(_checkpoint("c1", "snapshot"))
+        assert list(repo.staging.iterdir()) == [] and not (repo.manifests / "c1.json").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

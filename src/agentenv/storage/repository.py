@@ -26,6 +26,7 @@ pass that copies them into the machine, ``memory_layers.restore``).
 from __future__ import annotations
 
 import asyncio
+import errno
 import filecmp
 import json
 import logging
@@ -223,11 +224,17 @@ class SnapshotRepository:
         ``durable`` also fsyncs it (and the directory) so it survives a host crash; a pause or
         fork manifest only needs to survive the server, and skips the disk round trips."""
         tmp = self.staging / f"{cp.id}.{os.urandom(4).hex()}.json.tmp"  # concurrent puts of one id
-        with open(tmp, "w") as f:
-            json.dump(cp.to_json(), f, indent=1)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
+        try:
+            with open(tmp, "w") as f:
+                json.dump(cp.to_json(), f, indent=1)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise DiskFull(f"no space left on {self.root} for the manifest of {cp.id}; free disk space") from exc
+            raise StorageError(f"cannot write the manifest of {cp.id} in {self.root}: {exc}") from exc
         before = self._mtime()
         os.replace(tmp, self.manifests / f"{cp.id}.json")
         self._changed(before, cp.id, lambda index: index.__setitem__(cp.id, cp))
