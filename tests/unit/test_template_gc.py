@@ -122,3 +122,29 @@ def test_a_cpu_model_change_makes_a_new_snapshot_and_old_ones_keep_theirs(tmp_pa
     meta.write_text(json.dumps(fields))
     loaded = TemplateSnapshot.load(old.dir)
     assert loaded is not None and loaded.tcg_cpu == "max"
+
+
+def test_puts_of_one_template_name_at_once_each_publish_a_whole_definition(tmp_path: Path) -> None:
+    """Two pulls under one name write its definition at the same moment: each put must land
+    whole (before, both wrote one tmp file: torn JSON, or a rename of a file already moved)."""
+    import threading
+
+    catalog = TemplateCatalog(tmp_path)
+    defs = [Template("t", GuestArtifacts(Path("/k"), Path("/i"), Path(f"/r{i}" * 400), Path("/t"))) for i in range(2)]
+    errors: list[BaseException] = []
+
+    def writer(t: Template) -> None:
+        try:
+            for _ in range(300):
+                catalog.put(t)
+        except BaseException as exc:  # noqa: BLE001 — reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(defs[i % 2],)) for i in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert catalog.get("t") in defs
+    assert [p.name for p in (tmp_path / "t").iterdir()] == ["template.json"]

@@ -82,9 +82,12 @@ class TemplateCatalog:
     def put(self, t: Template) -> None:
         d = self.root / t.name
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / "template.json.tmp"
-        tmp.write_text(json.dumps(t.to_json(), indent=1))
-        os.replace(tmp, d / "template.json")
+        tmp = d / f"template.json.{os.urandom(4).hex()}.tmp"  # two puts of one name at once
+        try:
+            tmp.write_text(json.dumps(t.to_json(), indent=1))
+            os.replace(tmp, d / "template.json")
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def get(self, name: str) -> Template:
         try:
