@@ -24,6 +24,7 @@ from agentenv.errors import (
     ManifestDamaged,
     SnapshotNotFound,
     SnapshotUnusable,
+    StorageError,
 )
 from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.sandbox import LiveSandbox
@@ -319,3 +320,25 @@ def test_a_manifest_that_does_not_fit_is_a_disk_full_error_and_leaves_no_file(tm
         assert list(repo.staging.iterdir()) == [] and not (repo.manifests / "c1.json").exists()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_manifests_torn_by_a_host_crash_are_removed_at_start_and_no_longer_stop_the_gc(tmp_path: Path) -> None:
+    """A pause's manifest is renamed into place without an fsync: after a power cut it can be
+    empty (or NUL bytes). Unreadable, it stopped every gc for good; such manifests name
+    nothing and go at start. A manifest with content that does not parse is kept (someone
+    may want to look at it) and still stops the gc."""
+    repo = SnapshotRepository(tmp_path / "repo")
+    kept = _layer(repo, "disk-kept")
+    _layer(repo, "disk-unused")
+    repo.put(_checkpoint("good", "snapshot", disk=(kept,)))
+    (repo.manifests / "empty.json").write_bytes(b"")
+    (repo.manifests / "zeros.json").write_bytes(b"\0" * 300)
+    with pytest.raises(StorageError):
+        repo.gc()
+    assert sorted(repo.remove_torn()) == ["empty.json", "zeros.json"]
+    assert repo.gc() == ["disk-unused"]
+    assert [cp.id for cp in repo.list()] == ["good"] and repo.layer_path("disk-kept").exists()
+    (repo.manifests / "garbled.json").write_bytes(b'{"id": "garbled", "kind": ')
+    assert repo.remove_torn() == []
+    with pytest.raises(StorageError):
+        repo.gc()

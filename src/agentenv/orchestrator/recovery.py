@@ -127,6 +127,8 @@ async def recover(orch: Orchestrator) -> None:
         if cp.kind == "fork" or (cp.kind == "pause" and cp.id not in referenced):
             log.info("removing %s manifest %s left by an interrupted operation", cp.kind, cp.id)
             orch.repo.delete(cp.id)
+    for name in await asyncio.to_thread(orch.repo.remove_torn):
+        log.warning("removed manifest %s: empty, torn by a host crash before it reached the disk", name)
     await orch.gc(staging_older_than=0)
     await orch.snapshots.remove_stale(orch.catalog, orch.template_snapshots_in_use)
     keep = {r.record.slot_index for r in orch._live.values() if r.record.slot_index is not None}

@@ -373,6 +373,23 @@ class SnapshotRepository:
             out.append(cp)
         return out, tuple(bad), transient
 
+    def remove_torn(self) -> list[str]:
+        """Delete manifests a host crash tore: empty, or only NUL bytes (renamed into place
+        before their data reached the disk: a pause's or a fork's is not fsynced, a snapshot's
+        only after its layers). They name no layer and no snapshot, and an unreadable
+        manifest stops every gc (``list(strict=True)``): the disk would fill. Other unreadable
+        manifests are kept for someone to look at. Call at start, before anything else runs."""
+        removed = []
+        for p in self.manifests.glob("*.json"):
+            try:
+                data = p.read_bytes()
+            except OSError:
+                continue
+            if not data.strip(b"\0"):
+                self.delete(p.name.removesuffix(".json"))
+                removed.append(p.name)
+        return removed
+
     def delete(self, cp_id: str) -> None:
         before = self._mtime()
         (self.manifests / f"{cp_id}.json").unlink(missing_ok=True)
