@@ -39,9 +39,15 @@ CI_VERSION = "2.11.5"
 
 class _FakeEnvd(http.server.BaseHTTPRequestHandler):
     tokens: ClassVar[list[str | None]] = []
+    required: ClassVar[str | None] = None  # the access token it accepts, as envd once given one
 
     def do_GET(self) -> None:
         _FakeEnvd.tokens.append(self.headers.get("X-Access-Token"))
+        if _FakeEnvd.required is not None and self.headers.get("X-Access-Token") != _FakeEnvd.required:
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         body = json.dumps({"SANDBOX_WIDE": "from-envd"}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -322,3 +328,18 @@ def test_kernel_death_is_reported_and_recovered(ci_server: CIServer) -> None:
         lines = [json.loads(ln) for ln in c.post("/execute", json={"code": "40 + 2", "context_id": ctx["id"]}).text.splitlines()]
         assert {"type": "result", "is_main_result": True, "text": "42"} in lines
         assert c.delete(f"/contexts/{ctx['id']}").status_code == 200
+
+
+def test_running_code_needs_the_sandboxs_access_token(ci_server: CIServer) -> None:
+    """The proxy lets anyone who knows a sandbox's id reach port 49999: code runs only for a
+    caller with the sandbox's envd access token (envd, which handed it out, judges it)."""
+    _FakeEnvd.required = "tok"
+    try:
+        for headers in ({}, {"X-Access-Token": "wrong"}):
+            r = httpx.post(f"{ci_server.url}/execute", json={"code": "1+1"}, headers=headers, timeout=30)
+            assert r.status_code == 401 and "access token" in r.text, r.text
+        r = httpx.post(f"{ci_server.url}/execute", json={"code": "1+1"}, headers={"X-Access-Token": "tok"}, timeout=30)
+        results = [json.loads(ln) for ln in r.text.splitlines() if ln.strip()]
+        assert r.status_code == 200 and any(x.get("text") == "2" for x in results), r.text
+    finally:
+        _FakeEnvd.required = None

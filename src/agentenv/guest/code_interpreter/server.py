@@ -297,7 +297,9 @@ class EnvdEnvs:
         self.conn: http.client.HTTPConnection | None = None
         self.refused_until = 0.0
 
-    def get(self, access_token: str | None) -> dict[str, str]:
+    def get(self, access_token: str | None) -> dict[str, str] | None:
+        """The env vars; None when envd refuses ``access_token`` (401/403): the caller is not
+        the sandbox's owner, and may run no code (envd checks the token it handed out)."""
         if time.monotonic() < self.refused_until:
             return {}
         headers = {"X-Access-Token": access_token} if access_token else {}
@@ -309,6 +311,8 @@ class EnvdEnvs:
                     self.conn.request("GET", "/envs", headers=headers)
                     resp = self.conn.getresponse()
                     body = resp.read()
+                    if resp.status in (401, 403):
+                        return None
                     if resp.status != 200:
                         return {}
                     data = json.loads(body or b"{}")
@@ -463,6 +467,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if not isinstance(env_vars, dict):
             self._text(400, "'env_vars' must be an object")
             return
+        # Running code needs the sandbox's envd access token, as every envd route does: the
+        # proxy lets anyone who knows a sandbox's id reach this port.
+        sandbox_env = ENVD.get(self.headers.get("X-Access-Token"))
+        if sandbox_env is None:
+            self._text(401, "invalid or missing access token: send the sandbox's envd access token as X-Access-Token")
+            return
         if context_id:
             ctx = REGISTRY.get(context_id)
             if ctx is None:
@@ -474,8 +484,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self._text(400, f"Unsupported language {language!r}: this sandbox runs only 'python'")
                 return
             ctx = REGISTRY.default(lang)
-        env = {**ENVD.get(self.headers.get("X-Access-Token")),
-               **{str(k): str(v) for k, v in env_vars.items()}}
+        env = {**sandbox_env, **{str(k): str(v) for k, v in env_vars.items()}}
 
         self.send_response(200)
         self.send_header("Content-Type", "application/x-ndjson")
