@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import struct
+import subprocess
 import threading
 import time
 import urllib.parse
@@ -446,3 +447,14 @@ def test_a_head_of_many_repeated_header_lines_is_refused(agent: RunningAgent) ->
     assert s.recv(4096).startswith(b"HTTP/1.1 431")
     s.close()
     assert httpx.get(agent.url + "/health").status_code == 204
+
+
+def test_the_agent_goes_by_envds_name_not_pythons(agent: RunningAgent) -> None:
+    """``pkill python`` / ``killall python3`` (an agent cleaning up its servers, as root) match
+    a process by its name: the guest agent must not be one of theirs."""
+    with open(f"/proc/{agent.pid}/comm") as f:
+        assert f.read().strip() == "envd"
+    matched = subprocess.run(["pgrep", "-x", "python3"], capture_output=True, text=True).stdout.split()
+    assert str(agent.pid) not in matched
+    r = httpx.get(agent.url + "/health", timeout=10)
+    assert r.status_code in (200, 204)

@@ -441,6 +441,17 @@ class Agent:
 
 
 
+def take_envds_name() -> None:
+    """Go by envd's name, not the interpreter's: an agent in the sandbox that cleans up its own
+    servers with ``pkill python`` or ``killall python3`` (as root, as many images run) must not
+    kill this process, and with it the pipes and PTYs of every command it runs."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write("envd")
+    except OSError as exc:
+        log(f"cannot rename the agent's process: {exc}")
+
+
 def become_subreaper() -> None:
     """Adopt orphaned descendants so the SIGCHLD handler can reap them (no zombie build-up)."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -527,6 +538,7 @@ def main() -> None:
     args = parser.parse_args()
     set_tools_dir(args.tools)
     set_user_namespace(args.user_ns)
+    take_envds_name()
     become_subreaper()
     raise_fd_limit()
     asyncio.run(serve(args.host, args.port))
