@@ -278,6 +278,19 @@ async def test_timeout_kills_process_with_deadline_exceeded(client: EnvdClient, 
     assert await client.list_processes() == []
 
 
+async def test_a_timeout_kills_the_process_groups_that_left_the_commands_own(client: EnvdClient,
+                                                                              tmp_path: Path) -> None:
+    """GNU ``timeout`` puts itself in a process group of its own (a PTY shell does so for each
+    job): killing the command's group alone left ``cd repo && timeout 600 pytest`` running
+    for its ten minutes after the command's own timeout."""
+    marker = tmp_path / "marker"
+    with pytest.raises(EnvdError) as err:
+        await client.run(["/bin/bash", "-c", f"timeout 100 sh -c 'sleep 2; touch {marker}'; echo after"], timeout=0.5)
+    assert err.value.code == "deadline_exceeded"
+    await asyncio.sleep(2.5)
+    assert not marker.exists(), "the command's timeout left what `timeout` started running"
+
+
 async def test_user_switching(client: EnvdClient) -> None:
     result = await client.run(["id", "-un"], user="nobody")
     assert result.exit_code == 0, result

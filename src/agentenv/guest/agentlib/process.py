@@ -44,6 +44,24 @@ STDIN_BUFFER = 256 * 1024  # StreamInput waits while more than this is queued fo
 EXIT_DRAIN_MAX = 10.0  # after an exit, how long the end waits for a slow client to catch up
 
 
+
+def session_members(sid: int) -> list[int]:
+    """The processes of session ``sid`` (field 6 of /proc/PID/stat, after the command name,
+    which may hold spaces and parentheses)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 3 and int(fields[3]) == sid:
+            out.append(int(name))
+    return out
+
 class Subscriber:
     """One consumer (a Start or Connect stream) of a process's events, with a bounded queue."""
 
@@ -204,13 +222,20 @@ class Process:
     # ---- signals and the end -----------------------------------------------------------------
 
     def signal(self, signum: int) -> None:
-        """Signal the whole process group (each command is its own session), so `bash -c 'a; b'`
-        and anything it started in the foreground or background goes down with it."""
+        """Signal the command's whole session (each command is a session of its own), so
+        `bash -c 'a; b'` and anything it started goes down with it: its process group, and the
+        groups that moved out of it (GNU `timeout`, a PTY shell's jobs, `setpgid`). Only what
+        left the session on purpose (`setsid`, a daemon) is left alone."""
         try:
             os.killpg(self.pid, signum)
         except OSError:
             try:
                 os.kill(self.pid, signum)
+            except OSError:
+                pass
+        for member in session_members(self.pid):
+            try:
+                os.kill(member, signum)
             except OSError:
                 pass
 
