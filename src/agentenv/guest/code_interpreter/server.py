@@ -584,7 +584,10 @@ def _run_on_kernel(ctx: Context, kernel: Kernel, code: str, env: dict[str, str],
             stream.send(obj)
 
     def pump_output(fd: int) -> bool:
-        """Forward what the pipe holds now; False at EOF."""
+        """Forward what the pipe holds now; False at EOF. A pipe already at its end (drained
+        while an earlier event of the same select was handled) is left alone."""
+        if fd not in sel.get_map():
+            return False
         while True:
             data = _read(fd)
             if data is None:
