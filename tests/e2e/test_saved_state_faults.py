@@ -473,3 +473,33 @@ def test_a_timeout_action_that_hangs_holds_up_no_other_sandbox(node: ServerProce
     with node.client() as api:
         assert state(api, hung) == "running"
         api.delete(f"/sandboxes/{hung}")
+
+
+def test_a_network_update_the_store_refuses_changes_nothing_across_a_restart(node: ServerProcess) -> None:
+    """PUT /sandboxes/{id}/network writes the record, then the rules. A store that fails
+    leaves the namespace's rules as the record says (before, the rules changed and the record
+    did not: the next restart or resume went back to the old ones); recovery puts the record's
+    rules back whatever a change cut short left."""
+    from tests.e2e.conftest import ns_addr
+
+    def egress(ns: str) -> str:
+        return subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "chain", "ip", "aenv", "egress"],
+                              capture_output=True, text=True).stdout
+
+    restart(node)
+    with node.client() as api:
+        sid = api.post("/sandboxes", json={"templateID": "base", "network": {"denyOut": ["203.0.113.0/24"]}}
+                       ).json()["sandboxID"]
+        ns, _ = ns_addr(node, sid)
+        with host.store_unwritable(node.data_dir):
+            r = api.put(f"/sandboxes/{sid}/network", json={"denyOut": ["198.51.100.0/24"]})
+        assert r.status_code == 500 and "sandbox store" in r.json()["message"], r.text
+        assert "203.0.113.0/24" in egress(ns) and "198.51.100.0/24" not in egress(ns)
+        # a change cut short by a crash (here made by hand) is undone by the next start
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "flush", "chain", "ip", "aenv", "egress"], check=True)
+        restart(node)
+        assert "203.0.113.0/24" in egress(ns)
+        assert api.put(f"/sandboxes/{sid}/network", json={"denyOut": ["198.51.100.0/24"]}).status_code == 204
+        assert "198.51.100.0/24" in egress(ns) and "203.0.113.0/24" not in egress(ns)
+        assert api.get(f"/sandboxes/{sid}").json()["network"]["denyOut"] == ["198.51.100.0/24"]
+        api.delete(f"/sandboxes/{sid}")

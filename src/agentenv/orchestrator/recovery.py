@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentenv.envd_client import EnvdClient
-from agentenv.errors import StorageError, VmmError
+from agentenv.errors import NetworkError, StorageError, VmmError
 from agentenv.orchestrator.lifecycle import State
 from agentenv.orchestrator.sandbox import LiveSandbox
 from agentenv.storage import backing_chain, remove_tree
@@ -106,6 +106,10 @@ async def recover(orch: Orchestrator) -> None:
         live.envd = EnvdClient.for_guest(live.slot.guest_url, rec.access_token)
         if rec.state != State.RUNNING:
             await _settle(orch, live)
+        try:  # the record's egress rules, whatever a change cut short left in the namespace
+            await orch._apply_egress(live)
+        except NetworkError as exc:
+            log.error("sandbox %s: its egress rules could not be put back: %s", rec.id, exc.message)
         orch._watch(live)
         log.info("re-adopted sandbox %s (pid %d)", rec.id, live.machine.pid)
     # Leftovers that no record owns: previous warm-pool shells, half-made sandboxes.

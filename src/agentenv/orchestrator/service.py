@@ -906,19 +906,27 @@ class Orchestrator:
 
     async def update_network(self, sandbox_id: str, allow_out: list[str] | None,
                              deny_out: list[str] | None) -> SandboxRecord:
-        """Replace the egress rules of a running sandbox (omitted lists are cleared)."""
+        """Replace the egress rules of a running sandbox (omitted lists are cleared). The record
+        is written first, then the rules: a store that fails changes nothing, and a server that
+        stops in between finds the record's rules put back by its recovery (``recover``)."""
+        policy = self.egress_policy({"allowOut": allow_out, "denyOut": deny_out})
         live = self._require(sandbox_id, {State.RUNNING})
-        net = dict(live.record.options.get("network") or {})
-        net.update(self.egress_policy({"allowOut": allow_out, "denyOut": deny_out}))
         async with live.lock:
             live = self._require(sandbox_id, {State.RUNNING})
             assert live.slot is not None
-            await set_egress(live.slot, net["allowOut"], net["denyOut"])
+            net = {**(live.record.options.get("network") or {}), **policy}
             # The create-time allowInternetAccess no longer describes the rules: the sandbox's
             # detail derives it from the lists from now on.
             options = {k: v for k, v in live.record.options.items() if k != "allowInternetAccess"}
-            live.record = live.record.with_(options={**options, "network": net})
-            await self.store.put(live.record)
+            old, new = live.record, live.record.with_(options={**options, "network": net})
+            await self.store.put(new)
+            try:
+                await set_egress(live.slot, net["allowOut"], net["denyOut"])
+            except BaseException:
+                with contextlib.suppress(Exception):  # best effort: recovery re-applies what it says
+                    await self.store.put(old)
+                raise
+            live.record = new
         return live.record
 
     async def refresh(self, sandbox_id: str, duration_s: int) -> SandboxRecord:
