@@ -159,6 +159,7 @@ class Orchestrator:
             self.settings.repository, "the snapshot repository",
             "nodes cannot share one yet (each node's recovery and garbage collection would delete the "
             "other's snapshots): give each node its own AENV_REPOSITORY_DIR"))
+        ownership.make_private(self.settings.data_dir, self.settings.repository, self.settings.mem_dir)
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         if self.settings.ksm:  # before the first QEMU starts: the mark is inherited at fork
             await asyncio.to_thread(ksm.merge_children)

@@ -1,4 +1,4 @@
-"""One server per data directory and per snapshot repository.
+"""One server per data directory and per snapshot repository, and no one else in them.
 
 Each server's recovery and garbage collection assume they see every user of their files: at
 start, recovery deletes the pause and fork manifests no record of its own names and staging
@@ -39,3 +39,12 @@ def hold(directory: Path, what: str, hint: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"the AgentENV server of pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     return fd
+
+
+def make_private(*directories: Path) -> None:
+    """Only the server's user may enter these: they hold every sandbox's envd access token and
+    env vars (the store, manifests), disk layers and memory files (a guest's RAM). Files in
+    them keep their own modes (disk layers are read-only, 0444), the directory shuts the door."""
+    for d in directories:
+        d.mkdir(parents=True, exist_ok=True)
+        os.chmod(d, 0o700)
