@@ -59,6 +59,8 @@ class Settings:
     ksm: bool = False  # merge identical pages across QEMU processes (one tenant only: vmm/ksm.py)
     dns: bool = True  # guests resolve names through the host's forwarder (network/dns.py)
     dns_upstream: str = ""  # comma-separated resolvers for it; default: the host's /etc/resolv.conf
+    deny_out: str = ""  # comma-separated IPv4 networks no sandbox reaches, whatever its policy
+    deny_uplink: bool = True  # ... and the network of the host's uplink (network/slots.py uplink_networks)
     max_fork: int = 20  # children per fork call (the E2B SDKs allow up to 20)
     max_memory_layers: int = 8  # a longer memory chain is compacted into one layer
     max_disk_layers: int = 16  # a longer disk chain is streamed into the sandbox's overlay
@@ -121,6 +123,8 @@ class Settings:
             ksm=_env("AENV_KSM", "0") in ("1", "true", "on"),
             dns=_env("AENV_DNS", "on") not in ("0", "false", "off"),
             dns_upstream=_env("AENV_DNS_UPSTREAM", ""),
+            deny_out=_env("AENV_DENY_OUT", ""),
+            deny_uplink=_env("AENV_DENY_UPLINK", "on") not in ("0", "false", "off"),
             faults=frozenset(f for f in _env("AENV_FAULTS", "").split(",") if f),
             domain=os.environ.get("AENV_DOMAIN") or None,
             tls_cert=Path(os.environ["AENV_TLS_CERT"]) if os.environ.get("AENV_TLS_CERT") else None,

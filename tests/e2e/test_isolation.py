@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,36 +60,32 @@ def test_sandboxes_are_isolated_from_each_other_and_the_host(api: httpx.Client, 
             api.delete(f"/sandboxes/{s}")
 
 
-def test_a_port_the_host_publishes_by_dnat_is_no_way_out(api: httpx.Client, server: ServerProcess) -> None:
-    """``docker run -p``, a Kubernetes NodePort: the host rewrites connections to one of its
-    ports into connections to a container. A guest must not get through such a port to a
-    service it may not reach directly (here one on a private address, in a namespace of its
-    own behind the host, as a container is)."""
-    n = TEST_NET.network_address.packed[1]
-    net = next(ipaddress.ip_network(node_cidr(49)).subnets(new_prefix=30))
-    host_end, svc_ip = str(net[1]), str(net[2])
-    ns, veth, table = f"aenv-test-svc{n}", f"tsvc{n}", f"aenvtest_dnat{n}"
-    host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
+def _sh(*argv: str, check: bool = True) -> None:
+    subprocess.run(argv, check=check, capture_output=True)
 
-    def sh(*argv: str, check: bool = True) -> None:
-        subprocess.run(argv, check=check, capture_output=True)
+
+@contextlib.contextmanager
+def service_behind_host(net: ipaddress.IPv4Network, name: str) -> Iterator[str]:
+    """An HTTP server (port 8080) in a namespace of its own behind the host, as a container or
+    a LAN neighbour is: the host routes ``net`` (a /30) to it over a veth. Yields its address."""
+    n = TEST_NET.network_address.packed[1]
+    host_end, svc_ip = str(net[1]), str(net[2])
+    ns, veth = f"aenv-test-{name}{n}", f"t{name}{n}"
 
     def clean() -> None:
-        sh("nft", "delete", "table", "ip", table, check=False)
-        sh("ip", "link", "del", veth, check=False)
-        sh("ip", "netns", "del", ns, check=False)
+        _sh("ip", "link", "del", veth, check=False)
+        _sh("ip", "netns", "del", ns, check=False)
 
     clean()
-    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
     service = None
     try:
-        sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "svc0", "netns", ns)
-        sh("ip", "addr", "add", f"{host_end}/30", "dev", veth)
-        sh("ip", "link", "set", veth, "up")
+        _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "svc0", "netns", ns)
+        _sh("ip", "addr", "add", f"{host_end}/30", "dev", veth)
+        _sh("ip", "link", "set", veth, "up")
         for cmd in (["addr", "add", f"{svc_ip}/30", "dev", "svc0"], ["link", "set", "svc0", "up"],
                     ["link", "set", "lo", "up"], ["route", "add", "default", "via", host_end]):
-            sh("ip", "-n", ns, *cmd)
+            _sh("ip", "-n", ns, *cmd)
         service = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "http.server", "8080",
                                     "--bind", svc_ip, "--directory", "/etc"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -99,18 +96,68 @@ def test_a_port_the_host_publishes_by_dnat_is_no_way_out(api: httpx.Client, serv
             time.sleep(0.1)
         else:
             pytest.fail("the service did not start")
-        rules = (f"table ip {table} {{\n chain pre {{\n type nat hook prerouting priority dstnat; policy accept;\n"
-                 f" ip daddr {host_ip} tcp dport 18080 dnat to {svc_ip}:8080\n }}\n}}\n")
-        subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True, capture_output=True)
-        r = run(api, sid, f"curl -s -m 3 -o /dev/null -w '%{{http_code}}' http://{host_ip}:18080/hostname; "
-                          f"echo ' rc='$?")
-        assert "200" not in r["stdout"] and "rc=0" not in r["stdout"], r
+        yield svc_ip
     finally:
         if service is not None:
             service.kill()
             service.wait()
         clean()
+
+
+def fetch(api: httpx.Client, sid: str, url: str) -> str:
+    """What a guest's curl of ``url`` gives: the HTTP status and curl's exit code."""
+    return run(api, sid, f"curl -s -m 3 -o /dev/null -w '%{{http_code}}' {url}; echo ' rc='$?")["stdout"]
+
+
+def test_a_port_the_host_publishes_by_dnat_is_no_way_out(api: httpx.Client, server: ServerProcess) -> None:
+    """``docker run -p``, a Kubernetes NodePort: the host rewrites connections to one of its
+    ports into connections to a container. A guest must not get through such a port to a
+    service it may not reach directly (here one on a private address, in a namespace of its
+    own behind the host, as a container is)."""
+    table = f"aenvtest_dnat{TEST_NET.network_address.packed[1]}"
+    host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    try:
+        with service_behind_host(next(ipaddress.ip_network(node_cidr(49)).subnets(new_prefix=30)), "svc") as svc_ip:
+            rules = (f"table ip {table} {{\n chain pre {{\n type nat hook prerouting priority dstnat; policy accept;\n"
+                     f" ip daddr {host_ip} tcp dport 18080 dnat to {svc_ip}:8080\n }}\n}}\n")
+            subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True, capture_output=True)
+            out = fetch(api, sid, f"http://{host_ip}:18080/hostname")
+            assert "200" not in out and "rc=0" not in out, out
+    finally:
+        _sh("nft", "delete", "table", "ip", table, check=False)
         api.delete(f"/sandboxes/{sid}")
+
+
+def test_networks_the_node_denies_are_reached_by_no_sandbox(api: httpx.Client, tmp_path: Path) -> None:
+    """AENV_DENY_OUT: networks of the operator's (here a public-range one behind the host,
+    which the default node's sandboxes reach) that no sandbox reaches, whatever its allowOut;
+    and by default the network of the host's uplink (its LAN neighbours)."""
+    n = TEST_NET.network_address.packed[1]
+    net = ipaddress.ip_network(f"198.18.{n}.4/30")
+    node = ServerProcess(tmp_path / "data", node_cidr(54), AENV_POOL_SIZE="0", AENV_DENY_OUT=str(net))
+    node.start()
+    try:
+        with service_behind_host(net, "lan") as svc_ip, node.client() as own:
+            open_sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+            try:
+                assert "200 rc=0" in fetch(api, open_sid, f"http://{svc_ip}:8080/hostname")  # reachable by default
+            finally:
+                api.delete(f"/sandboxes/{open_sid}")
+            sid = own.post("/sandboxes", json={"templateID": "base", "network": {"allowOut": [str(net)]}}
+                           ).json()["sandboxID"]
+            out = fetch(own, sid, f"http://{svc_ip}:8080/hostname")
+            assert "200" not in out and "rc=0" not in out, out
+        uplink = subprocess.run(["ip", "-j", "-4", "route", "show", "default"], capture_output=True, text=True).stdout
+        if json.loads(uplink or "[]"):
+            table = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True).stdout
+            dev = json.loads(uplink)[0]["dev"]
+            addr = json.loads(subprocess.run(["ip", "-j", "-4", "addr", "show", "dev", dev], capture_output=True,
+                                             text=True).stdout)[0]["addr_info"][0]
+            lan = str(ipaddress.ip_interface(f"{addr['local']}/{addr['prefixlen']}").network)
+            assert f"{lan}, {net}" in table or f"{net}, {lan}" in table, "the uplink's network is not denied"
+    finally:
+        node.kill_all()
 
 
 def test_a_guest_sends_nothing_out_before_its_sandbox_has_a_policy(tmp_path: Path) -> None:

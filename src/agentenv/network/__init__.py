@@ -14,7 +14,8 @@ from agentenv.network.slots import (
     remove_node_network,
     remove_slots_in,
     set_egress,
+    uplink_networks,
 )
 
 __all__ = ["DnsForwarder", "Slot", "SlotPool", "egress_cidrs", "host_firewall_up", "host_resolvers",
-           "parse_upstreams", "remove_node_network", "remove_slots_in", "set_egress"]
+           "parse_upstreams", "remove_node_network", "remove_slots_in", "set_egress", "uplink_networks"]

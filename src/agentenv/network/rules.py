@@ -6,6 +6,7 @@ Kept apart from the code that applies them so they can be read (and tested) as p
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 
 from agentenv.errors import InvalidRequest
 
@@ -68,14 +69,17 @@ table ip aenv {{
 """
 
 
-def host_ruleset(table: str, ifprefix: str, slot_cidr: str, dns_addr: str | None = None) -> str:
+def host_ruleset(table: str, ifprefix: str, slot_cidr: str, dns_addr: str | None = None,
+                 denied: Sequence[str] = ()) -> str:
     """On the host: sandboxes reach neither each other nor the host (but its DNS forwarder on
     port 53); outbound is masqueraded. A connection from a sandbox that the host rewrites to
     another address (a published port: ``docker run -p``, a Kubernetes NodePort, a firewalld
     forward) is dropped: it would be forwarded to a container or service the namespace's
-    checks never saw the address of."""
+    checks never saw the address of. ``denied``: more networks no sandbox reaches, whatever its
+    egress policy (the node's: its uplink's network, AENV_DENY_OUT)."""
     dns = (f'iifname "{ifprefix}*" ip daddr {dns_addr} meta l4proto {{ udp, tcp }} th dport 53 accept'
            if dns_addr else "")
+    deny = f'iifname "{ifprefix}*" ip daddr {{ {", ".join(denied)} }} drop' if denied else ""
     return f"""
 table inet {table} {{
   chain input {{
@@ -89,6 +93,7 @@ table inet {table} {{
     iifname "{ifprefix}*" ct state established,related accept
     iifname "{ifprefix}*" ct status dnat drop
     iifname "{ifprefix}*" ip daddr {slot_cidr} drop
+    {deny}
     oifname "{ifprefix}*" ct state new drop
   }}
   chain postrouting {{

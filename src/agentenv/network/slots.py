@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pyroute2.conntrack import AsyncConntrack, NFCTAttrTuple
@@ -244,16 +245,19 @@ async def _destroy(veth: str, netns: str) -> None:
     await run(["ip", "netns", "del", netns], check=False)
 
 
-async def host_firewall_up(tag: str, ifprefix: str, cidr: str, dns_addr: str | None = None) -> None:
+async def host_firewall_up(tag: str, ifprefix: str, cidr: str, dns_addr: str | None = None,
+                           denied: Sequence[str] = ()) -> None:
     """Install the host table (idempotent) and enable forwarding for outbound traffic. The old
     table (a restart) is replaced in the same transaction: its sandboxes, which outlive the
     server, are never without the rules that keep them apart. With ``dns_addr``, that address
-    is put on the host for the DNS forwarder to listen on."""
+    is put on the host for the DNS forwarder to listen on. ``denied``: networks no sandbox
+    reaches (``host_ruleset``)."""
     table = f"aenv_{tag[:4]}"
     replace = f"add table inet {table}\ndelete table inet {table}\n"
     await _refuse_shared_cidr(tag, ifprefix, cidr)
     try:
-        await run(["nft", "-f", "-"], input=(replace + host_ruleset(table, ifprefix, cidr, dns_addr)).encode())
+        ruleset = host_ruleset(table, ifprefix, cidr, dns_addr, denied)
+        await run(["nft", "-f", "-"], input=(replace + ruleset).encode())
         await run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
         # The forwarder's address on the loopback device, labelled as this node's (kernels
         # without the dummy driver are common in VMs); an earlier run's, maybe of another
@@ -266,6 +270,32 @@ async def host_firewall_up(tag: str, ifprefix: str, cidr: str, dns_addr: str | N
         raise NetworkError(
             f"cannot install host firewall (AgentENV needs root / CAP_NET_ADMIN): {exc.message}"
         ) from exc
+
+
+async def uplink_networks() -> list[str]:
+    """The IPv4 networks of the interfaces the host's default routes leave by: the LAN the host
+    sits on (its neighbours, its gateway's management addresses), which a guest has no business
+    reaching even when it is not a private range (hosts with public addresses, a provider's
+    network)."""
+    routes = await run(["ip", "-j", "-4", "route", "show", "default"], check=False)
+    devs = {r.get("dev") for r in _json_list(routes)} - {None}
+    nets: list[str] = []
+    for dev in sorted(devs):
+        for link in _json_list(await run(["ip", "-j", "-4", "addr", "show", "dev", str(dev)], check=False)):
+            for a in link.get("addr_info", []):
+                with contextlib.suppress(KeyError, ValueError):
+                    net = str(ipaddress.ip_interface(f"{a['local']}/{a['prefixlen']}").network)
+                    if net not in nets:
+                        nets.append(net)
+    return nets
+
+
+def _json_list(text: str) -> list[dict]:
+    try:
+        out = json.loads(text or "[]")
+    except ValueError:
+        return []
+    return [x for x in out if isinstance(x, dict)] if isinstance(out, list) else []
 
 
 async def _refuse_shared_cidr(tag: str, ifprefix: str, cidr: str) -> None:

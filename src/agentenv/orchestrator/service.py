@@ -41,6 +41,7 @@ from agentenv.network import (
     host_resolvers,
     parse_upstreams,
     set_egress,
+    uplink_networks,
 )
 from agentenv.orchestrator import leftovers, parking, pulling
 from agentenv.orchestrator.capacity import below_reserve, memory_shortfall
@@ -168,7 +169,8 @@ class Orchestrator:
         await leftovers.remove_leftovers(self.settings)
         await asyncio.to_thread(pulling.remove_interrupted, self.settings.data_dir / "images")
         dns_addr = self.slots.dns_addr if self.settings.dns else None
-        await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr, dns_addr)
+        await host_firewall_up(self.settings.instance_tag, self.slots.ifprefix, self.settings.slot_cidr, dns_addr,
+                               await self._denied_networks())
         if dns_addr is not None:
             await self._start_dns(dns_addr)
         await recover(self)
@@ -180,6 +182,19 @@ class Orchestrator:
         self._tasks.append(asyncio.create_task(self.reaper.run(), name="ttl-reaper"))
         self._tasks.append(asyncio.create_task(self._slot_keeper(), name="slot-keeper"))
         self._tasks.append(asyncio.create_task(parking.keeper(self), name="parked-keeper"))
+
+    async def _denied_networks(self) -> list[str]:
+        """What no sandbox reaches beyond the always-denied private ranges: AENV_DENY_OUT, and
+        (unless AENV_DENY_UPLINK=off) the network of the host's uplink."""
+        try:
+            denied = egress_cidrs([v for v in self.settings.deny_out.split(",") if v.strip()], "AENV_DENY_OUT")
+        except InvalidRequest as exc:
+            raise NetworkError(exc.message) from None
+        if self.settings.deny_uplink:
+            denied += [n for n in await uplink_networks() if n not in denied]
+        if denied:
+            log.info("sandboxes reach none of %s (AENV_DENY_OUT, AENV_DENY_UPLINK)", ", ".join(denied))
+        return denied
 
     async def _start_dns(self, listen: str) -> None:
         try:
