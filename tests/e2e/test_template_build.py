@@ -422,4 +422,6 @@ def test_a_template_is_not_started_from_before_its_build_has_published_it(tmp_pa
             assert r.status_code == 404, r.text
             assert not [x for x in api.get("/sandboxes").json() if x["templateID"] == "halfway"]
     finally:
+        if s.proc is not None:  # stopped at its crash point: a graceful stop would wait on it
+            s.stop(signal.SIGKILL)
         s.kill_all()
