@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -258,7 +259,8 @@ class Builds(GuestSteps):
         return self.upload_path(files_hash).is_file()
 
     async def store_upload(self, files_hash: str, chunks: AsyncIterator[bytes], limit: int) -> int:
-        """Stream an upload to ``<data>/build-files/<hash>`` (temp + rename); refuse more than
+        """Stream an upload to ``<data>/build-files/<hash>`` (temp, then linked into place:
+        of two uploads of one hash at once the first kept, never replaced); refuse more than
         ``limit`` bytes."""
         dest = self.upload_path(files_hash)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.part")
@@ -274,7 +276,8 @@ class Builds(GuestSteps):
                     await asyncio.to_thread(f.write, chunk)
             finally:
                 await asyncio.to_thread(f.close)
-            await asyncio.to_thread(tmp.replace, dest)
+            with contextlib.suppress(FileExistsError):  # another upload of the hash came first
+                await asyncio.to_thread(os.link, tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
         return size
