@@ -458,3 +458,15 @@ def test_the_agent_goes_by_envds_name_not_pythons(agent: RunningAgent) -> None:
     assert str(agent.pid) not in matched
     r = httpx.get(agent.url + "/health", timeout=10)
     assert r.status_code in (200, 204)
+
+
+def test_proc_and_sys_files_download_whole(agent: RunningAgent) -> None:
+    """/proc files report a size of 0 and /sys files 4096: a download trusted that size, so
+    /proc/version came back empty and a /sys file cut short of its Content-Length."""
+    for path in ("/proc/version", "/sys/devices/system/cpu/online"):
+        with open(path, "rb") as f:
+            want = f.read()
+        for encoding in ("identity", "gzip"):
+            r = httpx.get(agent.url + "/files", params={"path": path, "username": "root"},
+                          headers={"Accept-Encoding": encoding}, timeout=10)
+            assert r.status_code == 200 and r.content == want, (path, encoding, r.status_code, r.content[:80])

@@ -44,8 +44,24 @@ from .fsutil import (
 from .httpio import Request, Response
 
 GZIP_LEVEL = 1  # deflate's fastest level: most of the saving at a fraction of level 6's CPU
+# /proc files report a size of 0 and /sys files 4096, whatever they hold: such a file (no block
+# on a disk, a page or less by its size) is read to its end, up to this, and sent as read.
+PSEUDO_MAX = 16 << 20
 SAMPLE = 64 * 1024  # what decides whether a download is compressed
 
+
+
+def read_to_end(fd: int, limit: int) -> bytes | None:
+    """All of a file read from its start until EOF, or None past ``limit`` bytes (blocking)."""
+    chunks, size = [], 0
+    while True:
+        chunk = os.pread(fd, 65536, size)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return None
 
 class FilesService:
     """The ``/files`` routes; ``agent`` is the Agent of agent.py (paths, token, default user)."""
@@ -97,6 +113,12 @@ class FilesService:
                 raise HttpError(400, f"path '{path}' is not a regular file")
             if encoding is None:
                 raise HttpError(406, "no acceptable content encoding (gzip and identity are supported)")
+            if st.st_blocks == 0 and st.st_size <= 4096:  # /proc, /sys (or an empty or all-hole page)
+                data = await blocking(read_to_end, fd, PSEUDO_MAX)
+                if data is None:
+                    raise HttpError(400, f"'{path}' reads as more than {PSEUDO_MAX >> 20} MiB")
+                return await resp.send(200, data, {"Content-Type": "application/octet-stream",
+                                                   "Content-Disposition": content_disposition(os.path.basename(path))})
             span = None if "if-range" in req.headers else byte_range(req.headers.get("range"), st.st_size)
             if span is not None:
                 encoding = "identity"  # a range is of the file's bytes: serve them as they are
