@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import inspect
 import json
 import os
@@ -22,7 +23,7 @@ import struct
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
 
@@ -112,6 +113,16 @@ class _Answer:
             return json.loads(self.content)
         except ValueError as exc:
             raise EnvdError("internal", f"malformed answer from the guest agent: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _transport_errors(what: str) -> Iterator[None]:
+    """httpx's transport failures (refused, reset, timed out: a VM gone) as EnvdUnavailable
+    naming ``what``."""
+    try:
+        yield
+    except httpx.TransportError as exc:
+        raise EnvdUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 def _too_large(what: str, limit: int) -> EnvdError:
@@ -261,9 +272,8 @@ class EnvdClient:
         request = self._http.build_request(method, path, timeout=timeout, **kwargs)
         resp = await self._send(request, what)
         try:
-            body = await (_read_capped(resp, limit, what) if 200 <= resp.status_code < 300 else _read_error(resp))
-        except httpx.TransportError as exc:
-            raise EnvdUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+            with _transport_errors(what):
+                body = await (_read_capped(resp, limit, what) if 200 <= resp.status_code < 300 else _read_error(resp))
         finally:
             await resp.aclose()
         return _Answer(resp.status_code, body)
@@ -271,10 +281,8 @@ class EnvdClient:
     async def _send(self, request: httpx.Request, what: str) -> httpx.Response:
         """Send with a streamed response body (the caller closes it); transport failures
         become EnvdUnavailable."""
-        try:
+        with _transport_errors(what):
             return await self._http.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise EnvdUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
     async def rpc(self, method: str, message: dict, user: str | None = None) -> dict:
         """A unary Connect call, e.g. ``rpc("filesystem.Filesystem/Stat", {"path": "/"})``."""
@@ -292,11 +300,11 @@ class EnvdClient:
         resp = await self._send(request, what)
         if resp.status_code != 200:
             try:
-                raise _error_from_body(resp.status_code, await _read_error(resp))
-            except httpx.TransportError as exc:
-                raise EnvdUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+                with _transport_errors(what):
+                    body = await _read_error(resp)
             finally:
                 await resp.aclose()
+            raise _error_from_body(resp.status_code, body)
         return resp
 
     async def _server_stream(self, method: str, message: dict, user: str | None,
@@ -312,32 +320,31 @@ class EnvdClient:
             timeout=httpx.Timeout(self.timeout, read=_STREAM_READ_TIMEOUT_S))
         resp = await self._send_stream(request, method)
         try:
-            buf = bytearray()
-            chunks = resp.aiter_bytes()
-            async for chunk in chunks:
-                buf += chunk
-                while len(buf) >= 5:
-                    flags, length = struct.unpack(">BI", buf[:5])
-                    if length > MAX_MESSAGE_BYTES:
-                        raise _too_large(method, MAX_MESSAGE_BYTES)
-                    if len(buf) < 5 + length:
-                        break
-                    payload = json.loads(bytes(buf[5:5 + length]))
-                    del buf[:5 + length]
-                    if flags & _END_STREAM:
-                        # Read the body to its end (the chunked terminator is normally in the
-                        # same packet) so the connection goes back to the pool: closing it
-                        # unread would make the next call open a new one, ~10 ms into a TCG guest.
-                        async for _ in chunks:
-                            pass
-                        error = payload.get("error")
-                        if error:
-                            raise EnvdError(error.get("code", "unknown"), error.get("message", ""))
-                        return
-                    yield payload
-            raise EnvdUnavailable(f"{method}: stream ended without an end-of-stream message")
-        except httpx.TransportError as exc:
-            raise EnvdUnavailable(f"{method}: {type(exc).__name__}: {exc}") from exc
+            with _transport_errors(method):
+                buf = bytearray()
+                chunks = resp.aiter_bytes()
+                async for chunk in chunks:
+                    buf += chunk
+                    while len(buf) >= 5:
+                        flags, length = struct.unpack(">BI", buf[:5])
+                        if length > MAX_MESSAGE_BYTES:
+                            raise _too_large(method, MAX_MESSAGE_BYTES)
+                        if len(buf) < 5 + length:
+                            break
+                        payload = json.loads(bytes(buf[5:5 + length]))
+                        del buf[:5 + length]
+                        if flags & _END_STREAM:
+                            # Read the body to its end (the chunked terminator is normally in the
+                            # same packet) so the connection goes back to the pool: closing it
+                            # unread would make the next call open a new one, ~10 ms into a TCG guest.
+                            async for _ in chunks:
+                                pass
+                            error = payload.get("error")
+                            if error:
+                                raise EnvdError(error.get("code", "unknown"), error.get("message", ""))
+                            return
+                        yield payload
+                raise EnvdUnavailable(f"{method}: stream ended without an end-of-stream message")
         except ValueError as exc:  # undecodable JSON in an envelope
             raise EnvdError("internal", f"{method}: malformed stream message: {exc}") from exc
         finally:
@@ -552,9 +559,8 @@ class EnvdClient:
             timeout=httpx.Timeout(self.timeout, write=None))
         resp = await self._send_stream(request, "process.Process/StreamInput")
         try:
-            body_bytes = await _read_capped(resp, MAX_MESSAGE_BYTES, "process.Process/StreamInput")
-        except httpx.TransportError as exc:
-            raise EnvdUnavailable(f"process.Process/StreamInput: {type(exc).__name__}: {exc}") from exc
+            with _transport_errors("process.Process/StreamInput"):
+                body_bytes = await _read_capped(resp, MAX_MESSAGE_BYTES, "process.Process/StreamInput")
         finally:
             await resp.aclose()
         _check_end_stream(body_bytes, "process.Process/StreamInput")
@@ -649,10 +655,9 @@ class EnvdClient:
                                            headers=self._headers(**{"Accept-Encoding": "identity"}))
         resp = await self._send_stream(request, "GET /files")
         try:
-            async for chunk in resp.aiter_bytes():
-                yield chunk
-        except httpx.TransportError as exc:
-            raise EnvdUnavailable(f"GET /files: {type(exc).__name__}: {exc}") from exc
+            with _transport_errors("GET /files"):
+                async for chunk in resp.aiter_bytes():
+                    yield chunk
         finally:
             await resp.aclose()
 
