@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -277,25 +276,10 @@ async def uplink_networks() -> list[str]:
     sits on (its neighbours, its gateway's management addresses), which a guest has no business
     reaching even when it is not a private range (hosts with public addresses, a provider's
     network)."""
-    routes = await run(["ip", "-j", "-4", "route", "show", "default"], check=False)
-    devs = {r.get("dev") for r in _json_list(routes)} - {None}
-    nets: list[str] = []
-    for dev in sorted(devs):
-        for link in _json_list(await run(["ip", "-j", "-4", "addr", "show", "dev", str(dev)], check=False)):
-            for a in link.get("addr_info", []):
-                with contextlib.suppress(KeyError, ValueError):
-                    net = str(ipaddress.ip_interface(f"{a['local']}/{a['prefixlen']}").network)
-                    if net not in nets:
-                        nets.append(net)
-    return nets
-
-
-def _json_list(text: str) -> list[dict]:
-    try:
-        out = json.loads(text or "[]")
-    except ValueError:
-        return []
-    return [x for x in out if isinstance(x, dict)] if isinstance(out, list) else []
+    routes = await run(["ip", "-4", "route", "show", "default"], check=False)  # default via GW dev DEV ...
+    devs = {f[f.index("dev") + 1] for f in map(str.split, routes.splitlines()) if "dev" in f[:-1]}
+    addrs = _addresses(await run(["ip", "-4", "-o", "addr"], check=False))
+    return list(dict.fromkeys(str(addr.network) for dev, addr, _ in addrs if dev in devs))
 
 
 async def _refuse_shared_cidr(tag: str, ifprefix: str, cidr: str) -> None:
