@@ -89,6 +89,13 @@ def _question_type(query: bytes) -> int | None:
     return int.from_bytes(query[i + 1:i + 3], "big") if i + 3 <= len(query) else None
 
 
+def _release(counts: collections.Counter[str], source: str) -> None:
+    """One of ``source``'s slots given back (a source with none left is not kept)."""
+    counts[source] -= 1
+    if counts[source] <= 0:
+        del counts[source]
+
+
 class DnsForwarder:
     """Relays DNS over UDP and TCP from ``listen``:53 to ``upstreams`` (tried in order)."""
 
@@ -134,9 +141,7 @@ class DnsForwarder:
 
         def done(t: asyncio.Task[None]) -> None:
             self._inflight.discard(t)
-            self._per_client[source] -= 1
-            if self._per_client[source] <= 0:
-                del self._per_client[source]
+            _release(self._per_client, source)
 
         task.add_done_callback(done)
 
@@ -189,9 +194,7 @@ class DnsForwarder:
             pass
         finally:
             self._tcp_clients -= 1
-            self._tcp_per_client[source] -= 1
-            if self._tcp_per_client[source] <= 0:
-                del self._tcp_per_client[source]
+            _release(self._tcp_per_client, source)
             writer.transport.abort()  # unsent answers of a client that stopped reading are dropped
 
     async def _relay_tcp(self, query: bytes) -> bytes | None:
