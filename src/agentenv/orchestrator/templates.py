@@ -177,31 +177,37 @@ class SnapshotBuilder:
         trash = self.root / _TRASH
         doomed: list[Path] = []
         removed: list[str] = []
+
+        def hide(path: Path, to: Path) -> None:  # gone from lookups at once; deleted below, in a thread
+            os.replace(path, to)
+            doomed.append(to)
+
         for d, mem in stale:
             if str(d) in keep or (mem is not None and str(mem) in keep) or not d.exists():
                 continue
             self._cache.pop(d, None)
             trash.mkdir(exist_ok=True)
-            doomed.append(trash / f"{d.parent.parent.name}-{d.name}")
-            os.replace(d, doomed[-1])  # gone from lookups at once; deleted below, in a thread
+            hide(d, trash / f"{d.parent.parent.name}-{d.name}")
             if mem is not None and mem.exists():
-                doomed.append(mem.with_name(mem.name + _TRASH))
-                os.replace(mem, doomed[-1])
+                hide(mem, mem.with_name(mem.name + _TRASH))
             removed.append(str(d))
         for mem in orphans:
             if str(mem) not in keep and mem.exists():
-                doomed.append(mem.with_name(mem.name + _TRASH))
-                os.replace(mem, doomed[-1])
+                hide(mem, mem.with_name(mem.name + _TRASH))
                 removed.append(str(mem))
         await asyncio.to_thread(_delete, doomed, trash)
         for d in removed:
             log.info("removed stale template snapshot %s", d)
         return removed
 
+    def _mem_file(self, d: Path) -> Path:
+        """The memory file a build of snapshot dir ``d`` writes (``<root>/<template>/snapshots/<d>``)."""
+        return self.mem_dir / f"{d.parent.parent.name}-{d.name}.mem"
+
     def _busy(self) -> set[str]:
         """Snapshot dirs (and their memory files) a lookup or build holds the lock of."""
         dirs = [d for d, lock in self._locks.items() if lock.locked()]
-        return {str(d) for d in dirs} | {str(self.mem_dir / f"{d.parent.parent.name}-{d.name}.mem") for d in dirs}
+        return {str(d) for d in dirs} | {str(self._mem_file(d)) for d in dirs}
 
     def _find_stale(self, catalog: TemplateCatalog) -> tuple[list[tuple[Path, Path | None]], list[Path]]:
         """Snapshots (dir, memory file) not of a current template, and memory files no
@@ -264,7 +270,7 @@ class SnapshotBuilder:
         await remove_tree(d)
         d.mkdir(parents=True)
         self.mem_dir.mkdir(parents=True, exist_ok=True)
-        mem_file = self.mem_dir / f"{t.name}-{d.name}.mem"
+        mem_file = self._mem_file(d)
         mem_file.unlink(missing_ok=True)
         undo = Cleanup(f"template snapshot {d}")
         undo.add("dir", lambda: remove_tree(d))
