@@ -378,16 +378,18 @@ class SnapshotRepository:
         before their data reached the disk: a pause's or a fork's is not fsynced, a snapshot's
         only after its layers). They name no layer and no snapshot, and an unreadable
         manifest stops every gc (``list(strict=True)``): the disk would fill. Other unreadable
-        manifests are kept for someone to look at. Call at start, before anything else runs."""
+        manifests are kept for someone to look at. Call at start, before anything else runs.
+        Only the manifests the index could not parse are read again."""
+        self._index_now()
         removed = []
-        for p in self.manifests.glob("*.json"):
+        for name in self._unreadable:
             try:
-                data = p.read_bytes()
+                data = (self.manifests / name).read_bytes()
             except OSError:
                 continue
             if not data.strip(b"\0"):
-                self.delete(p.name.removesuffix(".json"))
-                removed.append(p.name)
+                self.delete(name.removesuffix(".json"))
+                removed.append(name)
         return removed
 
     def delete(self, cp_id: str) -> None:
