@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.e2b.conftest import PY_LATEST, SDK
-from tests.framework.net import TEST_NET
+from tests.framework.net import TEST_NET, wait_for_http
 
 N = TEST_NET.network_address.packed[1]
 HOST_IP, OUTSIDE_IP = f"198.18.{N}.1", f"198.18.{N}.2"
@@ -50,15 +49,8 @@ def outside() -> Iterator[None]:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         procs.append(subprocess.Popen([*server, "--bind", HOST_IP], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
-        for ip in (OUTSIDE_IP, HOST_IP):
-            for _ in range(100):
-                try:
-                    if httpx.get(f"http://{ip}:8080/hostname", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
-            else:
-                pytest.fail(f"test HTTP server on {ip} did not start")
+        for proc, ip in zip(procs, (OUTSIDE_IP, HOST_IP)):
+            wait_for_http(proc, f"http://{ip}:8080/hostname")
         yield
     finally:
         for p in procs:

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ns_addr, run
-from tests.framework.net import TEST_NET, node_cidr
+from tests.framework.net import TEST_NET, node_cidr, wait_for_http
 from tests.framework.server import ServerProcess
 
 
@@ -89,13 +88,7 @@ def service_behind_host(net: ipaddress.IPv4Network, name: str) -> Iterator[str]:
         service = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "http.server", "8080",
                                     "--bind", svc_ip, "--directory", "/etc"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(100):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://{svc_ip}:8080/hostname", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.1)
-        else:
-            pytest.fail("the service did not start")
+        wait_for_http(service, f"http://{svc_ip}:8080/hostname")
         yield svc_ip
     finally:
         if service is not None:
