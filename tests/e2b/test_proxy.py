@@ -4,6 +4,7 @@ sandboxes, envd's internal routes, and streaming in both directions."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 import socket
@@ -103,6 +104,44 @@ def test_a_request_without_the_traffic_token_does_not_wake_a_private_sandbox(
         assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"  # not woken by a stranger
         r = httpx.get(url, headers={"Host": host, "e2b-traffic-access-token": token}, timeout=60)
         assert r.status_code == 502 and "port" in r.text.lower()  # woken; nothing listens on 8000
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_a_request_without_envd_credentials_does_not_wake_a_sandbox(
+        e2b_server: ServerProcess, api: httpx.Client) -> None:
+    """The agent's port needs no traffic token (the agent checks its own access token), but a
+    paused auto-resume sandbox is woken only by a request the agent would accept: its token,
+    or a pre-signed /files URL (E2B's download_url/upload_url) whose signature is right."""
+    r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120, "autoPause": True,
+                                        "autoResume": {"enabled": True}})
+    assert r.status_code == 201, r.text
+    sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+    envd = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}
+
+    def signed(path: str, secret: str) -> dict[str, str]:
+        raw = f"{path}:read:user:{secret}"
+        sig = "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).decode().rstrip("=")
+        return {"path": path, "username": "user", "signature": sig}
+
+    try:
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        strangers = [("GET", "/health", {}, {}), ("POST", "/process.Process/List", {}, {"X-Access-Token": "wrong"}),
+                     ("GET", "/files", signed("/etc/hostname", "wrong"), {}),
+                     ("GET", "/files", {"path": "/etc/hostname", "username": "user"}, {})]
+        for method, path, params, headers in strangers:
+            r = httpx.request(method, e2b_server.url + path, params=params, headers={**envd, **headers},
+                              json={} if method == "POST" else None)
+            assert r.status_code == 502, (path, r.text)
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"  # not woken by a stranger
+        r = httpx.get(e2b_server.url + "/files", params=signed("/etc/hostname", token), headers=envd, timeout=60)
+        assert r.status_code == 200 and r.text.strip(), r.text  # a pre-signed URL wakes it
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        r = httpx.post(e2b_server.url + "/process.Process/List", json={}, headers={**envd, "X-Access-Token": token},
+                       timeout=60)
+        assert r.status_code == 200, r.text  # so does the agent's token
         assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
     finally:
         api.delete(f"/sandboxes/{sid}")

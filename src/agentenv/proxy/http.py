@@ -22,6 +22,7 @@ from agentenv.envd_client.transport import GuestTransport
 from agentenv.errors import NotFound, SandboxStateError
 from agentenv.orchestrator import GUEST_UP, Orchestrator, State
 from agentenv.proxy import websocket
+from agentenv.proxy.envd_auth import carries_envd_credentials
 from agentenv.proxy.headers import (
     NO_BODY,
     NO_BODY_HEADERS,
@@ -219,7 +220,8 @@ class SandboxProxy:
         except (EnvdError, NotFound, SandboxStateError):
             return False
 
-    async def _lookup(self, sandbox_id: str, port: int, headers: dict[bytes, bytes]) -> tuple[str, dict[str, Any]]:
+    async def _lookup(self, sandbox_id: str, port: int, scope: Scope,
+                      headers: dict[bytes, bytes]) -> tuple[str, dict[str, Any]]:
         try:
             rec = self.orch.get(sandbox_id)
         except NotFound:
@@ -231,7 +233,11 @@ class SandboxProxy:
         if port != ENVD_PORT and token and not hmac.compare_digest(sent, str(token).encode("latin-1", "replace")):
             raise _Reject(403, {"code": 403, "message": f"sandbox {sandbox_id} is private: send its traffic access "
                                 "token in the e2b-traffic-access-token header"})
-        await self._auto_resume(sandbox_id)
+        # The agent's own port wakes a sandbox only for a request the agent would accept.
+        if port != ENVD_PORT or carries_envd_credentials(
+                rec.access_token, scope.get("method", "GET"), scope.get("path", ""), scope.get("query_string", b""),
+                headers):
+            await self._auto_resume(sandbox_id)
         try:
             addr = self.orch.guest_address(sandbox_id)
         except (NotFound, SandboxStateError):
@@ -258,14 +264,14 @@ class SandboxProxy:
     async def websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         raw_path = _refuse_host_routes(scope, port)
-        addr, _ = await self._lookup(sandbox_id, port, headers)
+        addr, _ = await self._lookup(sandbox_id, port, scope, headers)
         await websocket.forward(self, scope, receive, send, addr, sandbox_id, port, raw_path)
 
     async def http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         raw_headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         headers = {k.lower(): v for k, v in raw_headers}
         raw_path = _refuse_host_routes(scope, port)
-        addr, net = await self._lookup(sandbox_id, port, headers)
+        addr, net = await self._lookup(sandbox_id, port, scope, headers)
 
         fwd = forwardable(raw_headers)
         if port != ENVD_PORT:
