@@ -23,7 +23,7 @@ from agentenv.cli import credentials
 from agentenv.cli.context import Globals
 from agentenv.cli.output import OutputFormat, choose_format
 
-from .conftest import Answer
+from .conftest import Answer, error
 
 COMMANDS = ["serve", "setup", "doctor", "auth", "start", "connect", "exec", "ls", "timeout", "rm", "upload", "download",
             "pause", "resume", "snapshot", "snapshot create", "snapshot ls", "snapshot rm", "fork", "template",
@@ -201,11 +201,18 @@ def test_doctor_shows_the_server_accel(aenv, stub):
     stub.on("GET", "/health", Answer(204))
     stub.on("GET", "/health/details", {"version": "0.1.0", "accel": "tcg", "accelReason": "no kvm",
                                        "sandboxes": {"running": 2}, "poolReady": 1, "poolSize": 2})
-    stub.on("GET", "/templates", [])
     checks = {c["check"]: c for c in json.loads(aenv("--url", stub.url, "doctor").stdout)}
     assert checks["server"]["status"] == "OK" and "accel tcg: no kvm" in checks["server"]["detail"]
     assert "2 sandboxes; warm pool 1/2" in checks["server"]["detail"]
     assert checks["API key"]["status"] == "OK"
+
+
+def test_doctor_says_when_the_server_refuses_the_key(aenv, stub):
+    stub.on("GET", "/health", Answer(204))
+    stub.on("GET", "/health/details", error(401, "missing or invalid API key: send it in the X-API-Key header"))
+    checks = {c["check"]: c for c in json.loads(aenv("--url", stub.url, "doctor").stdout)}
+    assert checks["server"]["status"] == "OK"
+    assert checks["API key"]["status"] == "FAIL" and "invalid API key" in checks["API key"]["detail"]
 
 
 def test_root_check_message(monkeypatch):

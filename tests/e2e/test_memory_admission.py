@@ -44,11 +44,9 @@ def test_creates_and_the_pool_stop_above_the_memory_reserve(tmp_path: Path) -> N
 
 
 def _wait_pool(s: ServerProcess, ready: int, timeout: float) -> dict:
-    import httpx
-
     deadline = time.monotonic() + timeout
     while True:
-        d = httpx.get(s.url + "/health/details").json()
+        d = s.details()
         if d["poolReady"] == ready or time.monotonic() > deadline:
             return d
         time.sleep(0.2)

@@ -99,7 +99,7 @@ def test_a_resume_within_the_linger_continues_the_same_stopped_vm(node: ServerPr
     busy.pause()
     assert api.get(f"/sandboxes/{busy.sid}").json()["state"] == "paused"
     assert host.qemu_pids(busy.sid) == {pid}, "the stopped VM is kept for the linger time"
-    assert httpx.get(f"{node.url}/health/details").json()["parkedVMs"] == 1
+    assert node.details()["parkedVMs"] == 1
     r = api.post(f"/sandboxes/{busy.sid}/exec", json={"cmd": "true"})
     assert r.status_code == 409 and "paused" in r.json()["message"]
     cpu0 = cpu_seconds(pid)
@@ -107,7 +107,7 @@ def test_a_resume_within_the_linger_continues_the_same_stopped_vm(node: ServerPr
     assert cpu_seconds(pid) - cpu0 < 0.1, "a parked VM uses no CPU"
     busy.resume()
     assert host.qemu_pids(busy.sid) == {pid}, "resumed on the same QEMU"
-    assert httpx.get(f"{node.url}/health/details").json()["parkedVMs"] == 0
+    assert node.details()["parkedVMs"] == 0
     busy.assert_intact()
     # again: a parked VM can be paused and woken any number of times
     for _ in range(3):
@@ -455,7 +455,7 @@ def test_concurrent_pauses_resumes_and_kills_race_the_linger_and_lose_nothing(tm
         with s.client() as api:
             assert api.get("/sandboxes", params={"state": "running,paused,error"}).json() == []
         deadline = time.monotonic() + 60  # the pool refills after the last creates
-        while (d := httpx.get(f"{s.url}/health/details").json())["poolReady"] < 2 and time.monotonic() < deadline:
+        while (d := s.details())["poolReady"] < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert d["parkedVMs"] == 0 and d["sandboxes"] == {} and d["poolReady"] == 2, d
         assert len(host.qemu_pids(str(s.data_dir))) == d["poolReady"], "only the warm pool's shells run"

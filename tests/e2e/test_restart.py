@@ -58,14 +58,13 @@ def test_stop_while_the_pool_fills_leaves_no_process(tmp_path: Path) -> None:
     """SIGTERM lands while warm-pool sandboxes are being restored: none may survive it."""
     import time
 
-    import httpx
 
     s = ServerProcess(tmp_path / "data", node_cidr(19), AENV_POOL_SIZE="4")
     s.start()
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            d = httpx.get(s.url + "/health/details").json()
+            d = s.details()
             if d["poolSize"] and d["poolReady"] >= 1:
                 break
             time.sleep(0.05)

@@ -32,7 +32,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def details(node: ServerProcess) -> dict:
-    return httpx.get(node.url + "/health/details").json()
+    return node.details()
 
 
 def wait_shells(node: ServerProcess, ready: int, wanted: int, timeout: float = 90) -> None:

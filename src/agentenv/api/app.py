@@ -44,6 +44,7 @@ def create_app(orch: Orchestrator, api_key: str,
         return errors.error_response(401, str(exc))
 
     app.include_router(system.router)
+    app.include_router(system.details, dependencies=[Depends(require_key)])
     app.include_router(sandboxes.router, dependencies=[Depends(require_key)])
     app.include_router(data.router, dependencies=[Depends(require_key)])
     app.include_router(lifecycle.router, dependencies=[Depends(require_key)])

@@ -53,7 +53,7 @@ def wait_pool(timeout=60):
     """Let the node's warm pool refill, so a measurement does not share the CPU with restores."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        d = httpx.get(URL + "/health/details").json()
+        d = httpx.get(URL + "/health/details", headers={"X-API-Key": os.environ["E2B_API_KEY"]}).json()
         if d.get("poolReady", 0) >= d.get("poolSize", 0):
             return
         time.sleep(0.05)

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -107,6 +108,12 @@ class LocalNode:
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=timeout)
+
+    def details(self) -> dict[str, Any]:
+        """The node's GET /health/details (pool fill, parked VMs, accelerator...)."""
+        r = httpx.get(self.url + "/health/details", headers={"X-API-Key": self.api_key}, timeout=30)
+        r.raise_for_status()
+        return r.json()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         assert self.proc is not None

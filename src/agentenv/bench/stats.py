@@ -7,8 +7,6 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-import httpx
-
 if TYPE_CHECKING:
     from agentenv.bench.node import LocalNode
 
@@ -27,7 +25,7 @@ def wait_pool(node: LocalNode, timeout: float = 60) -> None:
     does not share the CPU with restores running in the background."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        d = httpx.get(node.url + "/health/details").json()
+        d = node.details()
         if (d.get("poolReady", 0) >= d.get("poolSize", 0)
                 and d.get("snapshotShellsReady", 0) >= d.get("snapshotShellsWanted", 0)):
             return

@@ -1,4 +1,5 @@
-"""Unauthenticated routes: health and node details."""
+"""Health (unauthenticated, for load balancers) and node details (behind the API key: they
+name the node's templates and load)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from fastapi import APIRouter, Request, Response
 from agentenv import __version__
 from agentenv.api.routes import orch_of
 
-router = APIRouter()
+router = APIRouter()  # no key
+details = APIRouter()  # the API key
 
 
 @router.get("/health", status_code=204, response_class=Response)
@@ -15,7 +17,7 @@ async def health() -> Response:
     return Response(status_code=204)
 
 
-@router.get("/health/details")
+@details.get("/health/details")
 async def health_details(request: Request) -> dict[str, object]:
     """What a operator checks first: the accelerator in use and why, and the load."""
     orch = orch_of(request)
