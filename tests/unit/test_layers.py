@@ -9,7 +9,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "agentenv"
 MECHANISMS = {"vmm", "network", "storage", "images", "envd_client"}
-FOUNDATION = {"errors", "config", "proc"}
+FOUNDATION = {"errors", "config", "proc", "durable"}
 UPPER = {"orchestrator", "proxy", "api", "server", "cli", "bench"}
 
 

@@ -8,6 +8,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from agentenv.durable import publish
 from agentenv.errors import ProvisioningError
 from agentenv.images.artifacts import inputs_hash
 from agentenv.images.kernel import Kernel
@@ -51,5 +52,5 @@ def ensure_initramfs(cache: Path, kernel: Kernel) -> Path:
             shutil.copy2(src, root / "lib/modules" / f"{name}.ko")
         tmp_out = out.with_suffix(".tmp")
         run_sync(["sh", "-c", f"find . | cpio -o -H newc --quiet > {tmp_out}"], cwd=str(root))
-        tmp_out.rename(out)
+        publish(tmp_out, out)
     return out

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentenv.durable import publish
 from agentenv.errors import (
     AgentenvError,
     ExternalCommandError,
@@ -433,7 +434,9 @@ async def to_ext4(image: PulledImage, out: Path, *, size_mb: int, add_user: bool
                                     f"{size_mb} MiB once filesystem overhead is counted; ask for a larger disk") from None
             raise
         os.chmod(partial, 0o444)
-        os.replace(partial, out)
+        # A template names this file once it is here: a host crash must not leave the name on
+        # an image whose blocks never reached the disk (the template would boot a torn disk).
+        await asyncio.to_thread(publish, partial, out)
         return out
     finally:
         partial.unlink(missing_ok=True)

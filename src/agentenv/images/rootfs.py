@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from agentenv.durable import publish
 from agentenv.images.artifacts import inputs_hash, remove_images_except
 from agentenv.proc import run_sync
 
@@ -45,7 +46,7 @@ def _debian_tarball(cache: Path, packages: tuple[str, ...]) -> Path:
          "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
          "--dpkgopt=path-exclude=/usr/share/locale/*", *hooks, SUITE, str(tmp)]
     )
-    tmp.rename(out)
+    publish(tmp, out)
     return out
 
 
@@ -70,7 +71,7 @@ def ensure_base_rootfs(cache: Path, packages: tuple[str, ...] = BASE_PACKAGES, s
         run_sync(["mkfs.ext4", "-q", "-F", "-L", "aenv-root", "-O", "has_journal",
                   "-E", "lazy_itable_init=1,lazy_journal_init=1", "-d", str(tree), str(img), f"{size_mb}M"])
         os.chmod(img, 0o444)
-        img.rename(out)
+        publish(img, out)
     return out
 
 

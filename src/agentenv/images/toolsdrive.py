@@ -28,6 +28,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from agentenv.durable import publish
 from agentenv.errors import ProvisioningError
 from agentenv.images.artifacts import inputs_hash, remove_images_except
 from agentenv.proc import run_sync
@@ -80,7 +81,7 @@ def ensure_tools_drive(cache: Path, debian_tarball: Path, busybox: Path = Path("
         run_sync(["mkfs.ext4", "-q", "-F", "-L", "aenv-tools", "-O", "^has_journal", "-m", "0",
                   "-E", "root_owner=0:0", "-d", str(tree), str(img), f"{size_mb}M"])
         os.chmod(img, 0o444)
-        img.rename(out)
+        publish(img, out)
     return out
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agentenv.config import DEFAULT_TCG_CPU
+from agentenv.durable import publish
 from agentenv.envd_client import EnvdClient, EnvdUnavailable
 from agentenv.errors import GuestError, InvalidRequest, TemplateNotFound
 from agentenv.images import GuestArtifacts
@@ -85,7 +86,7 @@ class TemplateCatalog:
         tmp = d / f"template.json.{os.urandom(4).hex()}.tmp"  # two puts of one name at once
         try:
             tmp.write_text(json.dumps(t.to_json(), indent=1))
-            os.replace(tmp, d / "template.json")
+            publish(tmp, d / "template.json")  # a host crash leaves the old definition or this one
         finally:
             tmp.unlink(missing_ok=True)
 

@@ -665,15 +665,6 @@ def prefetch(path: Path) -> None:
         pass  # an optimisation only
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file, or a directory (which makes a rename in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 WHOLE = "w"  # prefix of a digest over every byte of a file (device states); see digest_matches
 
 

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from agentenv.durable import fsync_path
 from agentenv.errors import (
     DiskFull,
     ManifestDamaged,
@@ -46,7 +47,7 @@ from agentenv.errors import (
     SnapshotUnusable,
     StorageError,
 )
-from agentenv.storage.memory_layers import digest_matches, fsync_path
+from agentenv.storage.memory_layers import digest_matches
 from agentenv.storage.spares import SparePool
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agentenv.storage.memory_layers import fsync_path, materialize
+from agentenv.durable import fsync_path
+from agentenv.storage.memory_layers import materialize
 
 TMP_SUFFIX = ".tmp"  # memory files being copied back; left behind only by a crash
 

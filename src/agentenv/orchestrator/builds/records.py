@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv.storage.memory_layers import fsync_path
+from agentenv.durable import fsync_path
 
 log = logging.getLogger(__name__)
 
