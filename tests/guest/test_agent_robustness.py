@@ -384,6 +384,34 @@ def test_polling_watchers_nobody_polls_share_one_bounded_buffer(agent: RunningAg
         assert _unary(agent, "filesystem.Filesystem/RemoveWatcher", {"watcherId": watcher})[0] == 200
 
 
+def test_a_watch_client_too_slow_for_its_events_costs_one_log_line(agent: RunningAgent, tmp_path) -> None:
+    """A WatchDir client that stops reading: its events past the agent's buffer are dropped,
+    and that is logged once per stream, not once per dropped event (a busy directory wrote a
+    line per file change to the agent's log and the console the host keeps)."""
+    root = tmp_path / "busy"
+    root.mkdir()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", _port(agent)))
+    body = envelope({"path": str(root)})
+    sock.sendall(b"POST /filesystem.Filesystem/WatchDir HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/connect+json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    time.sleep(0.5)  # the watch is set up; from now on nothing is read
+    try:
+        for batch in range(40):  # 160,000 events, in batches the agent keeps up with (no kernel overflow)
+            for i in range(2000):
+                p = root / f"f{batch}-{i}"
+                p.touch()
+                p.unlink()
+            time.sleep(0.15)
+        time.sleep(1.0)
+        lines = [line for line in agent.log.read_text().splitlines() if "dropping events" in line]
+        assert len(lines) == 1, f"{len(lines)} lines"
+    finally:
+        sock.close()
+
+
 def test_a_gzip_upload_of_several_members_is_written_whole_and_trailing_garbage_refused(
         agent: RunningAgent, tmp_path) -> None:
     """``cat a.gz b.gz`` (and pigz) make one body of several gzip members; envd reads them all.

@@ -349,12 +349,18 @@ class WatchService:
         after every ``Keepalive-Ping-Interval`` without events; ends at the Connect deadline."""
         root, recursive, include_entry, allow_network = self._watcher_args(msg, ctx)
         queue: asyncio.Queue[dict] = asyncio.Queue(maxsize=MAX_BUFFERED)
+        dropped = 0
 
         def sink(event: dict) -> None:
+            nonlocal dropped
             try:
                 queue.put_nowait(event)
             except asyncio.QueueFull:
-                log(f"watch: client of '{root}' is too slow, dropping events")
+                # Logged once: a line per dropped event would fill the agent's log (and the
+                # console the host keeps) as fast as the file system changes.
+                if not dropped:
+                    log(f"watch: client of '{root}' is too slow, dropping events")
+                dropped += 1
 
         watcher = Watcher(root, recursive, include_entry, sink)
         await watcher.start(allow_network)
@@ -383,6 +389,8 @@ class WatchService:
                 last_sent = time.monotonic()
         finally:
             watcher.close()
+            if dropped:
+                log(f"watch: {dropped} events of '{root}' were dropped for a slow client")
 
     async def rpc_create_watcher(self, msg: dict, ctx: CallContext) -> dict:
         root, recursive, include_entry, allow_network = self._watcher_args(msg, ctx)
