@@ -412,6 +412,43 @@ def test_a_watch_client_too_slow_for_its_events_costs_one_log_line(agent: Runnin
         sock.close()
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_deep_listings_neither_starve_the_agent_nor_outlive_their_clients(agent: RunningAgent) -> None:
+    """ListDir walks in a thread. Six clients listing / at depth 100 took every thread of the
+    agent's pool, so a Stat (any file operation) waited for a walk of the whole file system;
+    and the walks went on after their clients had given up."""
+    body = json.dumps({"path": "/", "depth": 100}).encode()
+    clients = []
+    for _ in range(6):
+        c = socket.create_connection(("127.0.0.1", _port(agent)))
+        c.sendall(b"POST /filesystem.Filesystem/ListDir HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        clients.append(c)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    status, out = _unary(agent, "filesystem.Filesystem/Stat", {"path": "/etc"})
+    assert status == 200 and out["entry"]["type"] == "FILE_TYPE_DIRECTORY", out
+    assert time.monotonic() - t0 < 3, "a Stat waited for the walks"
+    for c in clients:
+        c.close()
+    time.sleep(1.5)  # the walks see their clients gone within a poll
+    cpu = _cpu_seconds(agent.pid)
+    time.sleep(1.0)
+    assert _cpu_seconds(agent.pid) - cpu < 0.3, "walks go on for clients that are gone"
+
+
+def test_a_listing_of_the_whole_file_system_is_refused_not_held_in_memory(agent: RunningAgent) -> None:
+    """/ at depth 100 (/proc, /sys, /usr...) is far more than one answer may hold: the agent
+    would have to keep every entry, and a guest OOM kill takes the sandbox's processes."""
+    status, out = _unary(agent, "filesystem.Filesystem/ListDir", {"path": "/", "depth": 100})
+    assert status == 429 and out["code"] == "resource_exhausted", (status, str(out)[:300])
+    assert "smaller depth" in out["message"]
+
+
 def test_a_gzip_upload_of_several_members_is_written_whole_and_trailing_garbage_refused(
         agent: RunningAgent, tmp_path) -> None:
     """``cat a.gz b.gz`` (and pigz) make one body of several gzip members; envd reads them all.

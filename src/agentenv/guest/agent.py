@@ -45,6 +45,7 @@ import resource
 import signal
 import socket
 import struct
+import threading
 import time
 import traceback
 
@@ -92,6 +93,8 @@ STATE_FILE = os.environ.get("AENV_AGENT_STATE", "/run/aenv-agent/state.json")
 
 # Unary calls that carry a process's input: their messages may be as large as MAX_MESSAGE.
 INPUT_RPCS = frozenset({"process.Process/SendInput"})
+MAX_WALKS = 2  # ListDir walks at once (asyncio's default thread pool has cpus + 4 threads)
+WALK_POLL_S = 0.5  # how often a running walk checks for its client and deadline
 
 RNDADDENTROPY = 0x40085203      # _IOW('R', 0x03, int[2])
 RNDRESEEDCRNG = 0x5207          # _IO('R', 0x07)
@@ -117,6 +120,7 @@ class Agent:
         self.procs = ProcessManager(self)
         self.files = FilesService(self)
         self.ports = PortForwarder()
+        self._walks = asyncio.Semaphore(MAX_WALKS)  # ListDir walks running in threads at once
         self.unary = {
             "process.Process/List": self.procs.rpc_list,
             "process.Process/SendSignal": self.procs.rpc_send_signal,
@@ -245,7 +249,9 @@ class Agent:
             body = await req.read_body(MAX_MESSAGE if name in INPUT_RPCS else MAX_CONTROL_MESSAGE)
             if name not in self.unary:
                 raise ConnectError("unimplemented", f"{name} is not implemented")
-            out = await self.unary[name](parse_json_object(body), CallContext(self.default_user, req.headers))
+            ctx = CallContext(self.default_user, req.headers)
+            ctx.client_gone = lambda: req.reader.at_eof() or req.writer.is_closing()
+            out = await self.unary[name](parse_json_object(body), ctx)
             await resp.send_json(200, out)
         except (ConnectionError, asyncio.IncompleteReadError):
             raise
@@ -379,8 +385,24 @@ class Agent:
         return {"entry": await blocking(entry_info, self.resolve(msg.get("path"), ctx.user()))}
 
     async def rpc_list_dir(self, msg: dict, ctx: CallContext) -> dict:
+        """A deep walk can take minutes in a thread that cannot be cancelled: at most
+        ``MAX_WALKS`` at once (the rest of the agent's blocking work keeps threads of its
+        own), and each one ends when its client goes or its Connect deadline passes."""
         depth = int(msg.get("depth") or 1)
-        entries = await blocking(list_dir, self.resolve(msg.get("path"), ctx.user()), depth)
+        path = self.resolve(msg.get("path"), ctx.user())
+        deadline = time.monotonic() + ctx.timeout if ctx.timeout is not None else None
+        stop = threading.Event()
+        async with self._walks:
+            walk = asyncio.ensure_future(blocking(list_dir, path, depth, stop))
+            try:
+                while not (await asyncio.wait({walk}, timeout=WALK_POLL_S))[0]:
+                    if ctx.client_gone() or (deadline is not None and time.monotonic() > deadline):
+                        stop.set()
+                entries = await walk
+            finally:
+                stop.set()
+        if deadline is not None and time.monotonic() > deadline:
+            raise ConnectError("deadline_exceeded", f"listing '{path}' took longer than Connect-Timeout-Ms")
         return {"entries": entries} if entries else {}
 
     async def rpc_make_dir(self, msg: dict, ctx: CallContext) -> dict:

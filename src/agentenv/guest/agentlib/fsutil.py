@@ -13,7 +13,8 @@ import re
 import shutil
 import stat
 import tempfile
-from typing import AsyncIterator
+import threading
+from typing import AsyncIterator, Iterator
 
 from .common import UPLOAD_PREFIX, ConnectError, HttpError, User
 
@@ -112,30 +113,49 @@ def entry_info(path: str) -> dict:
     return {k: v for k, v in entry.items() if v not in (None, "", 0, {})}
 
 
-def list_dir(root: str, depth: int) -> list[dict]:
-    """Entries below root up to ``depth`` levels, in Go's lexical pre-order walk order."""
+MAX_LIST_ENTRIES = 200_000  # one ListDir answer: ~40 MB of JSON, ~200 MB of the agent's memory
+
+
+def list_dir(root: str, depth: int, stop: threading.Event | None = None) -> list[dict]:
+    """Entries below root up to ``depth`` levels, in Go's lexical pre-order walk order.
+
+    Bounded: a walk of ``/`` at depth 100 would hold the whole file system (``/proc``
+    included) in the agent's memory, and a guest OOM kill takes every process with it. So at
+    most ``MAX_LIST_ENTRIES``, then ``resource_exhausted``. ``stop`` ends a walk whose caller
+    has gone (a thread cannot be cancelled). Iterative, so no tree is too deep for it."""
     if not os.path.lexists(root):
         raise ConnectError("not_found", f"path '{root}' does not exist")
     if not os.path.isdir(root):
         raise ConnectError("invalid_argument", f"path '{root}' is not a directory")
     entries: list[dict] = []
-
-    def walk(directory: str, level: int) -> None:
+    # The directories being walked, innermost last: each with the names it has left.
+    stack: list[tuple[str, int, Iterator[str]]] = [(root, 1, iter(_names(root)))]
+    while stack:
+        if stop is not None and stop.is_set():
+            return entries
+        directory, level, names = stack[-1]
+        name = next(names, None)
+        if name is None:
+            stack.pop()
+            continue
+        path = os.path.join(directory, name)
         try:
-            names = sorted(os.listdir(directory))
-        except OSError:
-            return
-        for name in names:
-            path = os.path.join(directory, name)
-            try:
-                entries.append(entry_info(path))
-            except ConnectError:  # vanished meanwhile
-                continue
-            if level < depth and os.path.isdir(path) and not os.path.islink(path):
-                walk(path, level + 1)
-
-    walk(root, 1)
+            entries.append(entry_info(path))
+        except ConnectError:  # vanished meanwhile
+            continue
+        if len(entries) > MAX_LIST_ENTRIES:
+            raise ConnectError("resource_exhausted", f"more than {MAX_LIST_ENTRIES} entries below '{root}' "
+                               f"at depth {depth}: list a smaller depth or a subdirectory")
+        if level < depth and os.path.isdir(path) and not os.path.islink(path):
+            stack.append((path, level + 1, iter(_names(path))))
     return entries
+
+
+def _names(directory: str) -> list[str]:
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
 
 
 def make_dir(path: str, user: User) -> dict:
