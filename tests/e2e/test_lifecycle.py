@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import time
@@ -109,6 +110,27 @@ def test_timeout_expiry_kills(api: httpx.Client, server: ServerProcess) -> None:
         time.sleep(0.2)
     assert api.get(f"/sandboxes/{sid}").status_code == 404
     assert host.qemu_pids(sid) == set()
+
+
+def test_a_timeout_set_while_the_network_is_updated_is_kept(api: httpx.Client) -> None:
+    """An SDK's set_timeout does not wait for other operations on its sandbox. One that came
+    while a network update applied its rules was answered 204 and then undone: the update
+    put back the record it had read before (the sandbox was killed at the old deadline)."""
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 300}).json()["sandboxID"]
+    try:
+        for i in range(10):
+            timeout = 900 + 60 * i
+            with ThreadPoolExecutor(2) as pool:
+                net = pool.submit(api.put, f"/sandboxes/{sid}/network", json={"denyOut": [f"203.0.113.{i}/32"]})
+                time.sleep(0.004 * i)  # somewhere within the update
+                ttl = pool.submit(api.post, f"/sandboxes/{sid}/timeout", json={"timeout": timeout})
+                assert net.result().status_code == 204 and ttl.result().status_code == 204
+            d = api.get(f"/sandboxes/{sid}").json()
+            end = datetime.datetime.fromisoformat(d["endAt"].replace("Z", "+00:00")).timestamp()
+            assert abs(end - (time.time() + timeout)) < 30, (i, d["endAt"])
+            assert d["network"]["denyOut"] == [f"203.0.113.{i}/32"], (i, d["network"])
+    finally:
+        api.delete(f"/sandboxes/{sid}")
 
 
 def test_create_with_short_timeout_expires(api: httpx.Client) -> None:

@@ -307,16 +307,16 @@ async def _checkpoint(orch: Orchestrator, live: LiveSandbox, state: State, kind:
             cp, _ = await orch.checkpoints.capture(live.record, machine, kind=kind, name=name, seal_disk=True,
                                                    keep_running=True, memory=memory)
         except BaseException as exc:
-            live.record = live.record.with_(disk_path=str(machine.spec.disk))
             if machine.exited:
+                await orch._record(live, disk_path=str(machine.spec.disk))
                 await orch._fail(live, f"QEMU exited during a {kind} ({exc!r})")
             else:
-                await orch._revert(live, State.RUNNING)
+                await orch._revert(live, State.RUNNING, disk_path=str(machine.spec.disk))
             raise
         if "qemu_dies_after_capture" in orch.settings.faults:  # injected fault (tests)
             os.kill(machine.pid, signal.SIGKILL)  # as the OOM killer would, right after the capture
             await machine.wait_exit()
-        await orch._record(live, live.record.with_(disk_path=str(machine.spec.disk), state=State.RUNNING))
+        await orch._record(live, disk_path=str(machine.spec.disk), state=State.RUNNING)
         orch.notice_exit(live)
         return cp
 

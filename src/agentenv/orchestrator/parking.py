@@ -155,8 +155,7 @@ async def _wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: 
             raise
         free_later(orch, live, p.machine, p.envd, p.slot)
         if live.record.state == State.RESUMING:  # (a transition that failed changed nothing)
-            live.record = live.record.with_(slot_index=None, end_at=before.end_at, timeout_s=before.timeout_s)
-            await orch._revert(live, State.PAUSED)
+            await orch._revert(live, State.PAUSED, slot_index=None, end_at=before.end_at, timeout_s=before.timeout_s)
         if not isinstance(exc, (VmmError, OSError)):
             raise
         log.warning("sandbox %s: its parked VM could not be continued (%r); restoring its saved state",
@@ -173,8 +172,8 @@ async def _wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: 
         failure = exc
     live.machine, live.slot, live.envd = p.machine, p.slot, p.envd
     # The exit watcher set when this machine first ran applies again (it checks live.machine).
-    await orch._record(live, rec.with_(state=State.RUNNING, origin=cp, paused=None, end_at=time.time() + timeout,
-                                       timeout_s=timeout))
+    await orch._record(live, state=State.RUNNING, origin=cp, paused=None, end_at=time.time() + timeout,
+                       timeout_s=timeout)
     if p.machine.exited:  # it died after cont, before the watcher could see it as running
         await orch._fail(live, "QEMU exited while the sandbox was resumed")
         raise VmmError(f"sandbox {rec.id}: its QEMU exited while it was resumed")

@@ -178,8 +178,7 @@ async def _restore(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeou
         # with its slot recorded, recovery re-adopts this VM if the server dies from here on,
         # with the time to live this resume gives it (the old one may be long past: the
         # reaper would kill the re-adopted sandbox at once).
-        live.record = live.record.with_(slot_index=slot.index, end_at=time.time() + timeout, timeout_s=timeout)
-        await orch.store.put(live.record)
+        await orch._save(live, slot_index=slot.index, end_at=time.time() + timeout, timeout_s=timeout)
         recorded = True
 
     try:
@@ -193,13 +192,12 @@ async def _restore(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeou
         # Cancelled once its VM was recorded, the server stops: the VM is left ``resuming``
         # as a crash would leave it, for the next start's recovery (start_from_checkpoint).
         if not (recorded and isinstance(exc, asyncio.CancelledError)):
-            live.record = live.record.with_(slot_index=None, end_at=rec.end_at, timeout_s=rec.timeout_s)
-            await orch._revert(live, State.PAUSED)
+            await orch._revert(live, State.PAUSED, slot_index=None, end_at=rec.end_at, timeout_s=rec.timeout_s)
         raise
     live.machine, live.slot, live.envd = started.machine, started.slot, started.envd
     orch._watch(live)
-    await orch._record(live, rec.with_(state=State.RUNNING, origin=cp, paused=None, slot_index=started.slot.index,
-                                       disk_path=started.disk, end_at=time.time() + timeout, timeout_s=timeout))
+    await orch._record(live, state=State.RUNNING, origin=cp, paused=None, slot_index=started.slot.index,
+                       disk_path=started.disk, end_at=time.time() + timeout, timeout_s=timeout)
     # The record pins the layers now; the pause manifest is no longer needed.
     await orch.drop_checkpoint(cp.id)
     orch.schedule_gc()
@@ -228,10 +226,8 @@ async def connect(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
                 raise
     # E2B: the time to live is only extended, by the default (300 s) when none is given.
     ttl = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
-    end = max(live.record.end_at, time.time() + ttl)
-    if end != live.record.end_at:
-        live.record = live.record.with_(end_at=end)
-        await orch.store.put(live.record)
+    if time.time() + ttl > live.record.end_at:
+        await orch._save(live, lambda r: r.with_(end_at=max(r.end_at, time.time() + ttl)))
     return live.record, False
 
 

@@ -34,6 +34,8 @@ class LiveSandbox:
     slot: Slot | None = None
     envd: EnvdClient | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Writes of the record, one at a time (Orchestrator._save); ``lock`` is the operation's.
+    saving: asyncio.Lock = field(default_factory=asyncio.Lock)
     releasing: asyncio.Task[None] | None = None  # host resources being freed after a pause
     parked: Parked | None = None  # paused, with its stopped VM kept (machine/slot/envd are None)
 

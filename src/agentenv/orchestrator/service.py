@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Collection, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -488,8 +488,7 @@ class Orchestrator:
                 # (QEMU did not go after SIGKILL, e.g. stuck in the kernel.) The sandbox stays
                 # listed, as error, with its slot: a later kill tries again, and frees the slot.
                 live.slot = slot
-                live.record = live.record.with_(state=State.ERROR, error=f"kill failed: {exc}")
-                await self.store.put(live.record)
+                await self._save(live, state=State.ERROR, error=f"kill failed: {exc}")
                 raise
             if slot is not None:
                 self._in_background(self.slots.release(slot), f"removing the namespace of {sandbox_id}")
@@ -509,9 +508,7 @@ class Orchestrator:
             raise SandboxNotRunning(sandbox_id, "paused", "setting its timeout")
         live = self._require(sandbox_id, GUEST_UP)
         self.validate_timeout(timeout_s)
-        live.record = live.record.with_(end_at=time.time() + timeout_s, timeout_s=timeout_s)
-        await self.store.put(live.record)
-        return live.record
+        return await self._save(live, end_at=time.time() + timeout_s, timeout_s=timeout_s)
 
     async def _release(self, live: LiveSandbox) -> None:
         """Free the host resources of a sandbox (process, slot, client); keeps the record."""
@@ -539,9 +536,8 @@ class Orchestrator:
             reason, freed = f"{reason}; freeing its resources failed ({exc}): a kill tries again", False
         if live.record.state != State.ERROR and allowed(live.record.state, State.ERROR):
             # In error all the same if the store fails (a restart then finds its VM gone).
-            await self._record(live, live.record.with_(
-                state=State.ERROR, error=reason, slot_index=live.slot.index if live.slot else None,
-                end_at=max(live.record.end_at, time.time() + self.settings.error_keep_s)))
+            await self._record(live, state=State.ERROR, error=reason, slot_index=live.slot.index if live.slot else None,
+                               end_at=max(live.record.end_at, time.time() + self.settings.error_keep_s))
         return freed
 
     def _watch(self, live: LiveSandbox) -> None:
@@ -562,6 +558,31 @@ class Orchestrator:
             tail = live.machine.spec.console_tail(300) if live.machine else ""
             await self._fail(live, "QEMU exited unexpectedly (killed or crashed)" + (f"; console: {tail}" if tail else ""))
 
+    async def _save(self, live: LiveSandbox, update: Callable[[SandboxRecord], SandboxRecord] | None = None, /, *,
+                    best_effort: bool = False, **changes: Any) -> SandboxRecord:
+        """Write ``changes`` (and ``update``, for a change that depends on the record, e.g. a
+        merge into its options) to the sandbox's record as it is when its turn comes. Writers
+        that do not hold the sandbox's lock (set_timeout, refresh, connect's extension) and an
+        operation that does (a fork, a network update) each change their own fields, one
+        write at a time: a record computed before another writer's turn and written after it
+        would undo that writer's change (a timeout the caller was told is set, lost).
+
+        By default the record is written, then taken: a store that fails (StorageError)
+        changes nothing. ``best_effort``: a record that states what already happened is taken
+        at once and its write failure only logged (``_record``)."""
+        async with live.saving:
+            new = (update(live.record) if update is not None else live.record).with_(**changes)
+            if best_effort:
+                live.record = new
+            try:
+                await self.store.put(new)
+            except StorageError:
+                if not best_effort:
+                    raise
+                log.exception("sandbox %s: recording it as %s failed", live.id, new.state.value)
+            live.record = new
+            return new
+
     async def _transition(self, live: LiveSandbox, dst: State, **changes: Any) -> None:
         """Recorded, then taken, with ``changes`` to other fields of the record made with it:
         a store that fails (StorageError) leaves the sandbox as it was, in memory as on disk,
@@ -569,31 +590,25 @@ class Orchestrator:
         src = live.record.state
         if not allowed(src, dst):
             raise SandboxStateError(live.id, src.value, f"in a state that can become {dst.value}")
-        new = live.record.with_(state=dst, **changes)
-        await self.store.put(new)
-        live.record = new
+        await self._save(live, state=dst, **changes)
         log.info("sandbox %s: %s -> %s", live.id, src.value, dst.value)
         if dst == State.RUNNING:
             self.notice_exit(live)
 
-    async def _record(self, live: LiveSandbox, rec: SandboxRecord) -> None:
+    async def _record(self, live: LiveSandbox, **changes: Any) -> None:
         """Take a record that states what has already happened (a VM that now runs, one that
         was continued after a failed operation): at once, since it is the truth whatever the
         store says, and written best effort. A failed write is logged; the store then still
         holds the transition, which the next start's recovery settles from the VM it finds
         (docs/mechanisms/recovery.md). Raising instead would leave the operation's own
         bookkeeping (exit watcher, manifests) half done over a VM that runs."""
-        live.record = rec
-        try:
-            await self.store.put(rec)
-        except StorageError:
-            log.exception("sandbox %s: recording it as %s failed", live.id, rec.state.value)
+        await self._save(live, best_effort=True, **changes)
 
-    async def _revert(self, live: LiveSandbox, dst: State) -> None:
+    async def _revert(self, live: LiveSandbox, dst: State, **changes: Any) -> None:
         """Back to the state a failed operation left the sandbox in (its VM continued, or its
-        saved state kept), through ``_record``."""
+        saved state kept), with ``changes``, through ``_record``."""
         log.info("sandbox %s: %s -> %s (reverted)", live.id, live.record.state.value, dst.value)
-        await self._record(live, live.record.with_(state=dst))
+        await self._record(live, state=dst, **changes)
         if dst == State.RUNNING:
             self.notice_exit(live)
 
@@ -765,12 +780,14 @@ class Orchestrator:
         live = self._require(sandbox_id, GUEST_UP)
         if live.record.auto_pause == auto_pause:
             return live.record
-        options = {**live.record.options, "autoPause": auto_pause}
-        if not auto_pause:
-            options.pop("autoPauseMemory", None)  # (it qualifies an auto-pause)
-        live.record = live.record.with_(auto_pause=auto_pause, options=options)
-        await self.store.put(live.record)
-        return live.record
+
+        def with_auto_pause(r: SandboxRecord) -> SandboxRecord:
+            options = {**r.options, "autoPause": auto_pause}
+            if not auto_pause:
+                options.pop("autoPauseMemory", None)  # (it qualifies an auto-pause)
+            return r.with_(auto_pause=auto_pause, options=options)
+
+        return await self._save(live, with_auto_pause)
 
     async def connect(self, sandbox_id: str, timeout_s: int | None = None, *,
                       memory: bool = True) -> tuple[SandboxRecord, bool]:
@@ -930,29 +947,32 @@ class Orchestrator:
         async with live.lock:
             live = self._require(sandbox_id, {State.RUNNING})
             assert live.slot is not None
-            net = {**(live.record.options.get("network") or {}), **policy}
-            # The create-time allowInternetAccess no longer describes the rules: the sandbox's
-            # detail derives it from the lists from now on.
-            options = {k: v for k, v in live.record.options.items() if k != "allowInternetAccess"}
-            old, new = live.record, live.record.with_(options={**options, "network": net})
-            await self.store.put(new)
+            before = {k: live.record.options[k] for k in ("network", "allowInternetAccess") if k in live.record.options}
+
+            def with_policy(r: SandboxRecord) -> SandboxRecord:
+                # The create-time allowInternetAccess no longer describes the rules: the
+                # sandbox's detail derives it from the lists from now on.
+                options = {k: v for k, v in r.options.items() if k != "allowInternetAccess"}
+                return r.with_(options={**options, "network": {**(r.options.get("network") or {}), **policy}})
+
+            def as_before(r: SandboxRecord) -> SandboxRecord:
+                options = {k: v for k, v in r.options.items() if k not in ("network", "allowInternetAccess")}
+                return r.with_(options={**options, **before})
+
+            net = (await self._save(live, with_policy)).options["network"]
             try:
                 await set_egress(live.slot, net["allowOut"], net["denyOut"])
             except BaseException:
-                with contextlib.suppress(Exception):  # best effort: recovery re-applies what it says
-                    await self.store.put(old)
+                # Best effort: a record the store did not take back is put back by recovery.
+                await self._save(live, as_before, best_effort=True)
                 raise
-            live.record = new
         return live.record
 
     async def refresh(self, sandbox_id: str, duration_s: int) -> SandboxRecord:
         """Keep a running sandbox alive for at least ``duration_s`` more seconds (never shortens)."""
         live = self._require(sandbox_id, GUEST_UP)
         self.validate_timeout(duration_s)
-        end = max(live.record.end_at, time.time() + duration_s)
-        live.record = live.record.with_(end_at=end)
-        await self.store.put(live.record)
-        return live.record
+        return await self._save(live, lambda r: r.with_(end_at=max(r.end_at, time.time() + duration_s)))
 
     def template_created_at(self, name: str) -> float:
         """When the template's definition was last written (unix seconds)."""
