@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
 
-from agentenv.envd_client.transport import GuestTransport
+from agentenv.envd_client.transport import GuestTransport, NoCookies
 
 __all__ = ["CommandResult", "EnvdClient", "EnvdError", "EnvdUnavailable", "MAX_MESSAGE_BYTES", "ProcessEvent"]
 
@@ -224,7 +224,7 @@ class EnvdClient:
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout),
             limits=limits,
-            headers=headers, trust_env=trust_env,
+            headers=headers, trust_env=trust_env, cookies=NoCookies(),
             # Plain HTTP (a guest, or a server without TLS) needs no TLS context: building the
             # default one (loading the CA bundle) costs ~50 ms, on every sandbox's first request.
             verify=self.base_url.startswith("https:"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Iterator
+from http.cookiejar import CookieJar
 from typing import Any
 
 import httpcore
@@ -225,6 +226,19 @@ class _Body(httpx.AsyncByteStream):
         if hasattr(self._stream, "aclose"):
             with _as_httpx(self._request):
                 await self._stream.aclose()
+
+
+class NoCookies(CookieJar):
+    """A cookie jar that keeps nothing. An httpx client stores every ``Set-Cookie`` of every
+    response in its jar; a client that talks to a guest never sends one back, so its jar only
+    grows, by as many cookies as the guest's servers set (one per path for a cookie without
+    ``Path``): the server's memory, at a guest's discretion, for the sandbox's lifetime."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+    def set_cookie(self, cookie: Any) -> None:
+        return None
 
 
 class GuestTransport(httpx.AsyncBaseTransport):

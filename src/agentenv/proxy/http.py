@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from agentenv.envd_client import EnvdError
-from agentenv.envd_client.transport import GuestTransport
+from agentenv.envd_client.transport import GuestTransport, NoCookies
 from agentenv.errors import NotFound, SandboxStateError
 from agentenv.orchestrator import GUEST_UP, Orchestrator, State
 from agentenv.proxy import websocket
@@ -192,7 +192,7 @@ class SandboxProxy:
         if client is None:
             limits = httpx.Limits(max_connections=256, max_keepalive_connections=16, keepalive_expiry=300.0)
             client = self._clients[sandbox_id] = httpx.AsyncClient(
-                limits=limits, follow_redirects=False, trust_env=False,
+                limits=limits, follow_redirects=False, trust_env=False, cookies=NoCookies(),
                 verify=False,  # plain HTTP to the guest: no TLS context to build (~50 ms per client)
                 transport=GuestTransport(limits))  # as the agent's port (envd_client/transport.py)
             if self._sweeper is None or self._sweeper.done():
