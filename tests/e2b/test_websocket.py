@@ -14,7 +14,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from tests.framework.server import ServerProcess
 
 # A WebSocket echo server on the guest's python3 standard library (no packages in the guest);
-# how each connection ended (close code and reason, or dropped) goes to /tmp/ws-ends.
+# how each connection ended (close code and reason, or dropped) goes to /tmp/ws-ends. "host?" is
+# answered with the handshake's Host header, "bye" with a close frame without a code.
 ECHO_SERVER = r'''
 import base64, hashlib, socket, struct, threading
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -42,6 +43,14 @@ def handle(c):
                 n = struct.unpack(">Q", read(f, 8))[0]
             mask = read(f, 4)
             data = bytes(x ^ mask[i % 4] for i, x in enumerate(read(f, n)))
+            if data == b"host?":  # answers with the Host header of its handshake
+                data = [l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"host:")][0]
+                c.sendall(bytes([0x81, len(data)]) + data)
+                continue
+            if data == b"bye":  # closes with a close frame that has no code
+                c.sendall(b"\x88\x00")
+                ended("closed by the server")
+                return
             if op == 8:
                 ended(str(struct.unpack(">H", data[:2])[0]) + " " + data[2:].decode() if data else "no code")
                 c.sendall(b"\x88\x02" + (data[:2] or b"\x03\xe8"))
@@ -112,6 +121,48 @@ def test_websocket_echo_through_the_proxy_and_cut_on_kill(e2b_server: ServerProc
     assert out["text"] == "echo:hello" and out["binary"] is True
     assert out["after_kill"] == 1011 and out["cut_s"] < 5
     assert out["dead"][0] == 502 and b"The sandbox was not found" in out["dead"][1]
+
+
+def test_a_websocket_reaches_the_guest_with_the_host_an_http_request_would(
+        e2b_server: ServerProcess, api: httpx.Client) -> None:
+    """The client's Host (or the sandbox's maskRequestHost), as over HTTP: a server that checks
+    Origin against Host (Jupyter, Vite) refused a handshake that named the guest's address.
+    And a close frame without a code from the guest reaches the client as a normal close, not
+    as a dropped connection."""
+    r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120,
+                                        "network": {"maskRequestHost": "masked.example:${PORT}"}})
+    masked = r.json()["sandboxID"]
+    plain = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+    try:
+        for sid in (masked, plain):
+            assert api.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/ws.py"},
+                           content=ECHO_SERVER.encode()).status_code == 204
+            r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "nohup python3 /tmp/ws.py >/tmp/ws.log 2>&1 &"})
+            assert r.status_code == 200, r.text
+        url = e2b_server.url.replace("http://", "ws://") + "/socket"
+
+        async def host_seen(sid: str) -> tuple[str, int | None]:
+            headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8765"}
+            for _ in range(100):  # the server takes a moment to listen
+                try:
+                    ws = await connect(url, additional_headers=headers)
+                    break
+                except InvalidStatus:
+                    await asyncio.sleep(0.2)
+            async with ws:
+                await ws.send("host?")
+                host = await ws.recv()
+                await ws.send("bye")
+                with pytest.raises(ConnectionClosed) as closed:
+                    await asyncio.wait_for(ws.recv(), 15)
+            return str(host), closed.value.rcvd.code if closed.value.rcvd else None
+
+        assert asyncio.run(host_seen(masked)) == ("masked.example:8765", 1000)
+        client_host = e2b_server.url.removeprefix("http://")
+        assert asyncio.run(host_seen(plain)) == (client_host, 1000)
+    finally:
+        api.delete(f"/sandboxes/{masked}")
+        api.delete(f"/sandboxes/{plain}")
 
 
 def test_websocket_to_a_closed_port_is_502(e2b_server: ServerProcess, api: httpx.Client) -> None:

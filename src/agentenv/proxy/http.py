@@ -60,7 +60,11 @@ def envd_path_allowed(raw_path: bytes) -> bool:
 # Requests are made as httpx.Request, not with a client's build_request: that would add the
 # client's default headers (an Accept-Encoding the client did not send makes servers in the
 # sandbox compress, and the client get a body it did not ask for).
-_TIMEOUTS = httpx.Timeout(connect=3.0, read=None, write=None, pool=30.0).as_dict()
+# Idle bounds as E2B's node proxy has them (620 s; SDK streams send a keepalive every 50 s):
+# without one, a request whose client went while a guest did not read its body (or never
+# answered) held its handler and a pool connection until the sandbox stopped.
+IDLE_TIMEOUT_S = 620.0
+_TIMEOUTS = httpx.Timeout(connect=3.0, read=IDLE_TIMEOUT_S, write=IDLE_TIMEOUT_S, pool=30.0).as_dict()
 _HOST_LABEL = re.compile(r"^(\d{1,5})-([a-z0-9]+)$")
 _SANDBOX_ID = re.compile(r"^[a-z0-9]+$")
 
@@ -134,7 +138,7 @@ class SandboxProxy:
     def __init__(self, orch: Orchestrator, domain: str | None = None, *,
                  dial_attempts: int = 5, dial_delay_s: float = 0.2, watch_interval_s: float = 0.25) -> None:
         self.orch = orch
-        self.domain = domain
+        self.domain = domain.lower().rstrip(".") if domain else None
         self.dial_attempts = dial_attempts
         self.dial_delay_s = dial_delay_s
         self.watch_interval_s = watch_interval_s
@@ -150,9 +154,14 @@ class SandboxProxy:
     def target(self, scope: Scope) -> tuple[str, int] | None:
         """(sandbox id, port) this request is for, or None for the API. Raises _Reject (400)."""
         headers = {k.lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        hostname = headers.get(b"host", "")
-        hostname = hostname.rsplit(":", 1)[0] if not hostname.endswith("]") else hostname
+        # Host names are case-insensitive and may end in a dot. A domain with a port
+        # (AENV_DOMAIN=localhost:8000, as a self-hosted E2B_DOMAIN often is) is matched with the
+        # Host's port; any other, without it.
+        hostname = headers.get(b"host", "").lower()
+        if not (self.domain and ":" in self.domain) and not hostname.endswith("]"):
+            hostname = hostname.rsplit(":", 1)[0]
         label, _, rest = hostname.partition(".")
+        rest = rest.rstrip(".")
         m = _HOST_LABEL.match(label)
         if m and rest and (self.domain is None or rest == self.domain):
             return m.group(2), self._port(m.group(1))
@@ -167,7 +176,7 @@ class SandboxProxy:
 
     @staticmethod
     def _port(value: str) -> int:
-        if not value.isdigit() or not 1 <= int(value) <= 65535:
+        if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 65535:  # "²" is a digit too
             raise _Reject(400, {"code": 400, "message": f"invalid sandbox port '{value}'"})
         return int(value)
 
@@ -244,6 +253,15 @@ class SandboxProxy:
             raise not_found(sandbox_id) from None
         return addr, rec.options.get("network") or {}
 
+    @staticmethod
+    def _upstream_host(port: int, net: dict[str, Any], headers: dict[bytes, bytes]) -> bytes | None:
+        """The Host a sandbox's server sees: the sandbox's ``maskRequestHost`` (``${PORT}``
+        filled in), else the client's; for the agent's port, its own address (None)."""
+        if port == ENVD_PORT:
+            return None
+        mask = net.get("maskRequestHost")
+        return mask.replace("${PORT}", str(port)).encode() if mask else headers.get(b"host")
+
     async def _auto_resume(self, sandbox_id: str) -> None:
         """Traffic for a paused sandbox created with ``autoResume.enabled`` resumes it (with
         at least 300 s to live) before it is forwarded; any other paused sandbox is 502."""
@@ -264,8 +282,9 @@ class SandboxProxy:
     async def websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         raw_path = _refuse_host_routes(scope, port)
-        addr, _ = await self._lookup(sandbox_id, port, scope, headers)
-        await websocket.forward(self, scope, receive, send, addr, sandbox_id, port, raw_path)
+        addr, net = await self._lookup(sandbox_id, port, scope, headers)
+        await websocket.forward(self, scope, receive, send, addr, sandbox_id, port, raw_path,
+                                self._upstream_host(port, net, headers))
 
     async def http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         raw_headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
@@ -274,11 +293,8 @@ class SandboxProxy:
         addr, net = await self._lookup(sandbox_id, port, scope, headers)
 
         fwd = forwardable(raw_headers)
-        if port != ENVD_PORT:
-            mask = net.get("maskRequestHost")
-            host = mask.replace("${PORT}", str(port)).encode() if mask else headers.get(b"host")
-            if host:
-                fwd.append((b"host", host))
+        if host := self._upstream_host(port, net, headers):
+            fwd.append((b"host", host))
         url = f"http://{addr}:{port}{raw_path.decode('latin-1')}"
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -11,8 +12,10 @@ from websockets.exceptions import (
     ConnectionClosed,
     InvalidHandshake,
     InvalidStatus,
+    InvalidURI,
     ProtocolError,
 )
+from websockets.uri import parse_uri
 
 from agentenv.proxy.headers import forwardable
 
@@ -51,25 +54,26 @@ class _Dial(connect):
 
 
 async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Send, addr: str,
-                  sandbox_id: str, port: int, raw_path: bytes) -> None:
+                  sandbox_id: str, port: int, raw_path: bytes, host: bytes | None = None) -> None:
+    """``host``: the Host the sandbox's server is to see (the client's, or the sandbox's
+    ``maskRequestHost``), as over HTTP; None: the guest's address."""
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in forwardable(scope.get("headers", []), _OWN)]
     qs = scope.get("query_string", b"").decode("latin-1")
     # The path as the client sent it: decoded, %3F would become a query and %2F a separator.
-    url = f"ws://{addr}:{port}{raw_path.decode('latin-1')}" + (f"?{qs}" if qs else "")
+    target = raw_path.decode("latin-1") + (f"?{qs}" if qs else "")
+    url = _url_with_host(host, target) or f"ws://{addr}:{port}{target}"
     if (await receive())["type"] != "websocket.connect":
         return
+
     async def dial() -> ClientConnection:
+        # The TCP connection goes to the guest (host/port), the Host header is the URL's.
+        # max_queue=1: one relayed message held while the other side is slow, not sixteen.
         return await _Dial(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
-                           max_size=MAX_MESSAGE_BYTES, open_timeout=10, ping_interval=None, compression=None,
-                           proxy=None)
+                           max_size=MAX_MESSAGE_BYTES, max_queue=1, open_timeout=10, ping_interval=None,
+                           compression=None, proxy=None, host=addr, port=port)
 
     try:
-        try:
-            up = await dial()
-        except ConnectionRefusedError:
-            if not await proxy.forward_loopback(sandbox_id, port):  # a loopback-only service?
-                raise
-            up = await dial()
+        up = await _dial_retrying(proxy, dial, sandbox_id, port)
     except (OSError, InvalidHandshake, TimeoutError) as exc:
         if isinstance(exc, InvalidStatus):
             status = exc.response.status_code
@@ -106,7 +110,10 @@ async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Sen
                     code, reason = exc.sent.code, exc.sent.reason
             if code is None:
                 code, reason = up.close_code or 1000, up.close_reason or ""
-            await send({"type": "websocket.close", "code": code, "reason": reason})
+            if code in (1006, 1015):  # the guest's connection dropped: no endpoint sends these
+                return  # ending the handler drops the client's connection likewise
+            # A close frame without a code (1005) cannot be relayed as such: a normal close.
+            await send({"type": "websocket.close", "code": 1000 if code == 1005 else code, "reason": reason})
 
         gone = proxy.subscribe(sandbox_id)
         tasks = [asyncio.create_task(client_to_sandbox()), asyncio.create_task(sandbox_to_client()),
@@ -138,3 +145,35 @@ async def _close_like(up: ClientConnection, code: int, reason: str) -> None:
         await up.close(None if code == 1005 else code, reason if code != 1005 else "")  # type: ignore[arg-type]
     except ProtocolError:
         await up.close()
+
+
+def _url_with_host(host: bytes | None, target: str) -> str | None:
+    """``ws://<host><target>``, where the dial's Host header comes from, if ``host`` is a
+    valid one; else None (the guest's address is used)."""
+    if not host:
+        return None
+    url = f"ws://{host.decode('latin-1')}{target}"
+    try:
+        parse_uri(url)
+    except InvalidURI:
+        return None
+    return url
+
+
+async def _dial_retrying(proxy: SandboxProxy, dial: Callable[[], Awaitable[ClientConnection]],
+                         sandbox_id: str, port: int) -> ClientConnection:
+    """Dial as the HTTP path does: a refused port is dialled again (a server may be starting),
+    ``dial_attempts`` times ``dial_delay_s`` apart, once at once through the guest agent's
+    forward if the service listens on the guest's loopback only."""
+    attempts, forwarded = proxy.dial_attempts, False
+    while True:
+        try:
+            return await dial()
+        except ConnectionRefusedError:
+            if not forwarded and await proxy.forward_loopback(sandbox_id, port):
+                forwarded = True
+                continue
+            attempts -= 1
+            if attempts <= 0 or not proxy.running(sandbox_id):
+                raise
+            await asyncio.sleep(proxy.dial_delay_s)
