@@ -263,6 +263,38 @@ def pause_manifests(data_dir: Path, sid: str) -> list[str]:
     return out
 
 
+def test_a_resume_in_progress_counts_once_against_the_sandbox_limit(tmp_path: Path) -> None:
+    """A resume was counted as a VM being admitted and again as the active sandbox it is
+    while its VM starts: with AENV_MAX_SANDBOXES=2, one resume in progress made a create 429
+    (and evicted parked VMs for room that was there). The resume here is held for the restore
+    timeout by the injected fault ``hang_after_resume``."""
+    s = ServerProcess(tmp_path / "data", node_cidr(56), AENV_POOL_SIZE="0", AENV_MAX_SANDBOXES="2",
+                      AENV_PAUSE_LINGER_S="0", AENV_FAULTS="hang_after_resume", AENV_RESTORE_TIMEOUT="8")
+    s.start()
+    try:
+        with s.client() as api:
+            sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+            assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+            assert host.qemu_gone(sid, timeout=10)
+
+            def resume() -> httpx.Response:
+                with s.client() as other:
+                    return other.post(f"/sandboxes/{sid}/resume", json={"timeout": 600})
+
+            with ThreadPoolExecutor(1) as ex:
+                pending = ex.submit(resume)
+                deadline = time.monotonic() + 20
+                while not host.qemu_pids(sid) and time.monotonic() < deadline:  # its new VM is starting
+                    time.sleep(0.05)
+                assert not pending.done(), pending.result().text
+                r = api.post("/sandboxes", json={"templateID": "base"})  # admitted at once, while it resumes
+                assert r.status_code == 201, r.text  # two VMs: the resumed one and this one
+                api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+                pending.result()
+    finally:
+        s.kill_all()
+
+
 def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_nothing(tmp_path: Path) -> None:
     """Once ``cont`` ran there is no going back to the saved state (the guest ran; its disk
     moved on). Injected fault ``hang_after_wake``: the VM is stopped again right after ``cont``,
@@ -316,7 +348,7 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
             with ThreadPoolExecutor(1) as ex:
                 pending = ex.submit(resume)
                 time.sleep(1.0)  # within the 3 s the resume waits for the stopped guest
-                assert not pending.done()
+                assert not pending.done(), pending.result().text
                 os.kill(pid, signal.SIGKILL)
                 r = pending.result()
             assert r.status_code == 500 and "QEMU exited" in r.json()["message"], r.text
@@ -355,7 +387,7 @@ def test_a_wake_whose_guest_or_qemu_fails_after_cont_is_answered_and_leaves_noth
                 deadline = time.monotonic() + 10  # restored (logged), then waiting for the stopped guest
                 while f"restore {b.sid}:" not in s.log.read_text() and time.monotonic() < deadline:
                     time.sleep(0.05)
-                assert not pending.done()
+                assert not pending.done(), pending.result().text
                 (pid,) = host.qemu_pids(b.sid)
                 ns = host.netns_of(pid)
                 os.kill(pid, signal.SIGKILL)
@@ -392,7 +424,7 @@ def test_a_resume_whose_running_record_cannot_be_written_still_watches_its_vm(tm
                 deadline = time.monotonic() + 10  # restored (logged), then waiting for the stopped guest
                 while f"restore {b.sid}:" not in s.log.read_text() and time.monotonic() < deadline:
                     time.sleep(0.05)
-                assert not pending.done()
+                assert not pending.done(), pending.result().text
                 with host.store_unwritable(s.data_dir):
                     r = pending.result()
             assert r.status_code == 502 and "runs again" in r.json()["message"], r.text

@@ -155,7 +155,7 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
         # Counted until its VM holds its memory, as creates are, with the pages its layers
         # write into that VM's RAM: resumes at once must not each see the same free memory.
         layers_mb = sum(r.size for r in cp.memory) >> 20 if memory else 0
-        async with orch.admitted(extra_mb=layers_mb):
+        async with orch.admitted(extra_mb=layers_mb, sandbox_id=live.id):
             return await _restore(orch, live, cp, timeout, memory)
 
 

@@ -139,6 +139,7 @@ class Orchestrator:
         self.reaper = Reaper(self)
         self._admitting = 0  # VMs admitted and starting, not yet in _live (see admitted())
         self._admitting_mb = 0  # ... and what they take beyond SANDBOX_MIN_MB each
+        self._admitted_ids: set[str] = set()  # listed sandboxes counted in _admitting (resumes)
         self._starting: list[Checkpoint] = []  # saved states sandboxes are being started from
         self.registry = registry or RegistrySettings()  # where images are pulled from (server.py reads the env)
         self._image_locks: dict[str, asyncio.Lock] = {}
@@ -301,7 +302,8 @@ class Orchestrator:
     def _active(self) -> int:
         """Sandboxes that hold a running VM (parked VMs are counted apart), and those admitted
         and still starting (not yet in ``_live``)."""
-        return self._admitting + sum(1 for s in self._live.values() if s.record.state in ACTIVE)
+        return self._admitting + sum(1 for s in self._live.values()
+                                     if s.record.state in ACTIVE and s.id not in self._admitted_ids)
 
     def check_count(self, more: int = 1) -> None:
         """Raise CapacityExhausted unless ``more`` sandboxes fit in AENV_MAX_SANDBOXES."""
@@ -333,16 +335,24 @@ class Orchestrator:
 
     @contextlib.asynccontextmanager
     async def admitted(self, more: int = 1, starting: Checkpoint | None = None,
-                       extra_mb: int = 0) -> AsyncIterator[None]:
+                       extra_mb: int = 0, sandbox_id: str | None = None) -> AsyncIterator[None]:
         """``admit`` ``more`` new VMs and count them until the caller has put them in ``_live``
         (or failed), so that creates running at once see each other against the limits.
         ``starting``: the saved state they start from, kept from gc meanwhile (its snapshot
         may be deleted while they start), from before the admission waits (it may free parked
-        VMs and shells, and a gc may run meanwhile). ``extra_mb``: see ``memory_shortfall``."""
+        VMs and shells, and a gc may run meanwhile). ``extra_mb``: see ``memory_shortfall``.
+        ``sandbox_id``: a listed sandbox that gets a new VM (a resume): counted here only, not
+        also as the active sandbox it becomes meanwhile (a resume counted twice made creates
+        near the limit 429 and evicted parked VMs for room that was there)."""
         with self.pinning(starting):
             await self.admit(more, extra_mb)
             with self.counting(more, extra_mb):
-                yield
+                if sandbox_id is not None:
+                    self._admitted_ids.add(sandbox_id)
+                try:
+                    yield
+                finally:
+                    self._admitted_ids.discard(sandbox_id or "")
 
     @contextlib.contextmanager
     def counting(self, more: int = 1, extra_mb: int = 0) -> Iterator[None]:
