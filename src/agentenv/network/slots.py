@@ -97,11 +97,12 @@ class SlotPool:
             raise
 
     async def release(self, slot: Slot) -> None:
-        """Destroy the slot (its namespace may hold conntrack state of the old sandbox)."""
-        try:
-            await destroy_slot(slot)
-        finally:
-            self._used.discard(slot.index)
+        """Destroy the slot (its namespace may hold conntrack state of the old sandbox). Its
+        index is free again only once its namespace is gone: freed after a failure (``ip``
+        could not be started), a new sandbox would get a namespace of the same name, which a
+        retried release of this slot would then delete under it."""
+        await destroy_slot(slot)
+        self._used.discard(slot.index)
 
     async def fill(self) -> None:
         """Top the ready list up to ``target`` (run by the pool keeper in the background)."""

@@ -250,8 +250,13 @@ class SnapshotShells:
         return shell
 
     async def _destroy(self, shell: SnapshotShell) -> None:
+        """Logged when it fails (a QEMU that does not die): nobody awaits these tasks but
+        ``_destroyed``, which drops what they raise."""
         try:
             await parking.free(self._orch, shell.started.machine, shell.started.envd, shell.started.slot)
+        except Exception:
+            log.exception("snapshot shells: could not destroy shell %s", shell.sandbox_id)
+            raise
         finally:
             await remove_tree(shell.run_dir)
 
