@@ -3,9 +3,11 @@ shutdown with pause-on-stop, a paused sandbox across a crash, a full disk while 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import time
@@ -424,6 +426,41 @@ def test_a_store_that_fails_leaves_the_sandbox_running_in_memory_as_on_disk(node
         assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
         assert api.post(f"/sandboxes/{sid}/resume").status_code == 201
         assert run(api, sid, "cat /home/user/f.txt; wc -c < /dev/shm/big")["stdout"] == "before\n209715200\n"
+        api.delete(f"/sandboxes/{sid}")
+
+
+def _qmp(pid: int, command: str) -> None:
+    """Send one QMP command to a QEMU ourselves (the server is stopped: the socket is free)."""
+    argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    path = argv[argv.index(b"-qmp") + 1].decode().removeprefix("unix:").split(",")[0]
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        f = sock.makefile("rwb")
+        f.readline()  # the greeting
+        for cmd in ("qmp_capabilities", command):
+            f.write(json.dumps({"execute": cmd}).encode() + b"\n")
+            f.flush()
+            while b'"return"' not in (line := f.readline()):
+                assert b'"error"' not in line, line
+
+
+def test_a_running_sandbox_whose_vm_was_left_stopped_is_continued_by_the_next_start(node: ServerProcess) -> None:
+    """A stop (or crash) that cuts a pause short after its capture stopped the VM and before it
+    continued it leaves a sandbox recorded running on a stopped VM: re-adopted as it was, it
+    was listed running while its guest never answered. The next start continues it."""
+    restart(node)
+    with node.client() as api:
+        sid = busy_sandbox(api)
+    node.stop(signal.SIGTERM)  # running sandboxes are left running for the next start
+    (pid,) = host.qemu_pids(sid)
+    _qmp(pid, "stop")  # as the cut-short pause left it
+    restart(node)
+    with node.client() as api:
+        assert state(api, sid) == "running"
+        c = counter(api, sid)
+        time.sleep(0.3)
+        assert counter(api, sid) > c
+        assert host.qemu_pids(sid) == {pid}, "the same VM, continued"
         api.delete(f"/sandboxes/{sid}")
 
 

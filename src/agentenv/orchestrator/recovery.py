@@ -106,6 +106,8 @@ async def recover(orch: Orchestrator) -> None:
         live.envd = EnvdClient.for_guest(live.slot.guest_url, rec.access_token)
         if rec.state != State.RUNNING:
             await _settle(orch, live)
+        elif not await _runs(orch, live):
+            continue
         try:  # the record's egress rules, whatever a change cut short left in the namespace
             await orch._apply_egress(live)
         except NetworkError as exc:
@@ -139,6 +141,21 @@ async def recover(orch: Orchestrator) -> None:
     removed = await orch.slots.remove_orphans({k for k in keep if k is not None})
     if removed:
         log.info("removed %d orphaned network namespaces", len(removed))
+
+
+async def _runs(orch: Orchestrator, live: LiveSandbox) -> bool:
+    """A running sandbox's VM runs: one stopped for an operation that a stop or crash cut
+    short before it continued the VM again (a pause's capture) is continued; its guest would
+    otherwise never answer while the sandbox is listed running. False: it failed."""
+    assert live.machine is not None
+    try:
+        if await live.machine.status() in ("paused", "postmigrate"):
+            log.warning("sandbox %s: its VM was left stopped; continuing it", live.id)
+            await live.machine.qmp("cont")
+    except VmmError as exc:
+        await orch._fail(live, f"its VM could not be continued when the server restarted: {exc}")
+        return False
+    return True
 
 
 async def _settle(orch: Orchestrator, live: LiveSandbox) -> None:

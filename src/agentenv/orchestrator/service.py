@@ -73,6 +73,17 @@ INIT_RETRY_S = 5.0  # init_later: between tries, and the bound of each
 # What a non-streaming exec keeps of each of its command's streams: the answer is built in the
 # server's memory, and what a command prints is up to the program in the sandbox.
 EXEC_OUTPUT_LIMIT = 16 << 20
+STOP_WAIT_S = 30.0  # stop: how long an operation cut short may take to finish its clean-up
+
+
+async def _acquire(lock: asyncio.Lock, timeout: float) -> bool:
+    """Take ``lock`` within ``timeout`` seconds; False (not taken) after that."""
+    try:
+        await asyncio.wait_for(lock.acquire(), timeout)
+    except TimeoutError:
+        log.warning("an operation did not finish its clean-up within %.0f s of the stop", timeout)
+        return False
+    return True
 
 
 async def together(*work: Coroutine[Any, Any, object]) -> None:
@@ -91,7 +102,7 @@ async def together(*work: Coroutine[Any, Any, object]) -> None:
 class Orchestrator:
     """The node's sandboxes and what serves them. Its public methods are what the API calls.
 
-    Its underscored members (``_live``, ``_require``, ``_transition``, ``_record``, ``_revert``, ``_fail``, ``_watch``,
+    Its underscored members (``_live``, ``_require``, ``_save``, ``_transition``, ``_record``, ``_revert``, ``_fail``, ``_watch``,
     ``_in_background``) are the orchestrator package's own: the helper modules
     beside this one (forking, pausing, parking, recovery, snapshot_shells) take the
     orchestrator as their first argument and use them, so that the lifecycle of one sandbox
@@ -231,13 +242,21 @@ class Orchestrator:
         await self.pool.stop()
         await self.snapshot_shells.stop()
         await self.slots.drain()
-        for live in self._live.values():
-            parking.evict(self, live, why="the server stops")  # its state is saved
-            await live.settled()
-            if live.machine:
-                await live.machine.detach()
-            if live.envd:
-                await live.envd.aclose()
+        for live in list(self._live.values()):  # (a create cut short meanwhile leaves the dict)
+            # The server cancels requests still running when it stops, without waiting for
+            # them: an operation cut short (a pause continuing its VM after a failed capture)
+            # finishes its clean-up before its VM's QMP connection is closed under it.
+            held = await _acquire(live.lock, STOP_WAIT_S)
+            try:
+                parking.evict(self, live, why="the server stops")  # its state is saved
+                await live.settled()
+                if live.machine:
+                    await live.machine.detach()
+                if live.envd:
+                    await live.envd.aclose()
+            finally:
+                if held:
+                    live.lock.release()
         self.store.close()
         for fd in self._owned:
             os.close(fd)
