@@ -147,6 +147,39 @@ def test_a_request_without_envd_credentials_does_not_wake_a_sandbox(
         api.delete(f"/sandboxes/{sid}")
 
 
+def test_a_request_target_reaches_the_guest_as_the_client_sent_it(e2b_server: ServerProcess,
+                                                                  api: httpx.Client) -> None:
+    """The guest's server gets the path and query the client sent: httpx's URL normalised them
+    on the way (``/a/../b`` became ``/b``, ``{`` became ``%7B``), which E2B's proxy does not."""
+    sid = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+    try:
+        serve = ("import http.server as h\n"
+                 "class H(h.BaseHTTPRequestHandler):\n"
+                 "    def do_GET(s):\n"
+                 "        b = s.path.encode(); s.send_response(200); s.send_header('Content-Length', str(len(b)))\n"
+                 "        s.end_headers(); s.wfile.write(b)\n"
+                 "h.HTTPServer(('0.0.0.0', 8083), H).serve_forever()\n")
+        assert api.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/echo_path.py"},
+                       content=serve.encode()).status_code == 204
+        r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "nohup python3 /tmp/echo_path.py >/dev/null 2>&1 &"})
+        assert r.status_code == 200, r.text
+        port = int(e2b_server.url.rsplit(":", 1)[1])
+        target = b"/a/../b/%2F/{x}?q={y}&z=%41"
+        for _ in range(100):  # the server takes a moment to listen
+            with socket.create_connection(("127.0.0.1", port)) as c:
+                c.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: " + sid.encode()
+                          + b"\r\nE2b-Sandbox-Port: 8083\r\nConnection: close\r\n\r\n")
+                answer = b""
+                while chunk := c.recv(65536):
+                    answer += chunk
+            if answer.startswith(b"HTTP/1.1 200"):
+                break
+            time.sleep(0.2)
+        assert answer.split(b"\r\n\r\n", 1)[1] == target, answer
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
 def test_proxy_routing_errors(e2b_server: ServerProcess) -> None:
     u = e2b_server.url
     r = httpx.get(u + "/health", headers={"E2b-Sandbox-Id": "inosuchsandbox", "E2b-Sandbox-Port": "49983"})

@@ -70,7 +70,7 @@ def _record(i: int, state: State) -> SandboxRecord:
 
 def _orch(max_sandboxes: int, pool: Pool, snapshot_shells: SnapshotShells | None = None) -> types.SimpleNamespace:
     orch = types.SimpleNamespace(settings=types.SimpleNamespace(mem_reserve_mb=RESERVE, max_sandboxes=max_sandboxes),
-                                 _live={}, _admitting=0, _admitting_mb=0, _starting=[], slots=Slots(), pool=pool,
+                                 _live={}, _admitting=0, _admitting_mb=0, _admitted_ids=set(), _starting=[], slots=Slots(), pool=pool,
                                  snapshot_shells=snapshot_shells or SnapshotShells(pool.host, shells=0))
     for name in ("admit", "admitted", "check_count", "_active", "pinning", "counting", "memory_for"):
         setattr(orch, name, types.MethodType(getattr(Orchestrator, name), orch))

@@ -228,6 +228,9 @@ class _Body(httpx.AsyncByteStream):
                 await self._stream.aclose()
 
 
+TARGET = "aenv_target"  # request extension: the raw request target to send (bytes)
+
+
 class NoCookies(CookieJar):
     """A cookie jar that keeps nothing. An httpx client stores every ``Set-Cookie`` of every
     response in its jar; a client that talks to a guest never sends one back, so its jar only
@@ -256,8 +259,10 @@ class GuestTransport(httpx.AsyncBaseTransport):
         assert isinstance(request.stream, httpx.AsyncByteStream)
         req = httpcore.Request(
             method=request.method,
+            # A request target given as sent (the sandbox proxy's ``TARGET``): httpx's URL
+            # would normalise it (``/a/../b`` to ``/b``, ``{`` to ``%7B``).
             url=httpcore.URL(scheme=request.url.raw_scheme, host=request.url.raw_host, port=request.url.port,
-                             target=request.url.raw_path),
+                             target=request.extensions.get(TARGET) or request.url.raw_path),
             headers=request.headers.raw, content=request.stream, extensions=request.extensions)
         with _as_httpx(request):
             resp = await self._pool.handle_async_request(req)

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from agentenv.envd_client import EnvdError
-from agentenv.envd_client.transport import GuestTransport, NoCookies
+from agentenv.envd_client.transport import TARGET, GuestTransport, NoCookies
 from agentenv.errors import NotFound, SandboxStateError
 from agentenv.orchestrator import GUEST_UP, Orchestrator, State
 from agentenv.proxy import websocket
@@ -296,8 +296,10 @@ class SandboxProxy:
         if host := self._upstream_host(port, net, headers):
             fwd.append((b"host", host))
         url = f"http://{addr}:{port}{raw_path.decode('latin-1')}"
+        target = raw_path  # what the guest gets, as the client sent it
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
+            target += b"?" + scope["query_string"]
         has_body = b"content-length" in headers and headers[b"content-length"] != b"0" or b"transfer-encoding" in headers
 
         body_done = asyncio.Event()
@@ -324,7 +326,7 @@ class SandboxProxy:
             resp = None
             attempts, forwarded = self.dial_attempts, False
             while attempts:
-                req = httpx.Request(scope["method"], url, headers=fwd, extensions={"timeout": _TIMEOUTS},
+                req = httpx.Request(scope["method"], url, headers=fwd, extensions={"timeout": _TIMEOUTS, TARGET: target},
                                     content=request_body() if has_body else None)
                 try:
                     resp = await client.send(req, stream=True)
