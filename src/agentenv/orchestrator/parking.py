@@ -154,7 +154,7 @@ async def _wake(orch: Orchestrator, live: LiveSandbox, cp: Checkpoint, timeout: 
             await p.machine.detach()
             raise
         free_later(orch, live, p.machine, p.envd, p.slot)
-        if live.record.state == State.RESUMING:  # (a transition that failed changed nothing)
+        if live.record.state == State.RESUMING:  # (a transition that failed changed nothing; one cut short did)
             await orch._revert(live, State.PAUSED, slot_index=None, end_at=before.end_at, timeout_s=before.timeout_s)
         if not isinstance(exc, (VmmError, OSError)):
             raise

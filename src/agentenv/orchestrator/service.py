@@ -524,10 +524,12 @@ class Orchestrator:
             self._live.pop(sandbox_id, None)
             self.guest_metrics.forget(sandbox_id)
             self.reaper.forget(sandbox_id)
-            await self.store.delete(sandbox_id)
-            await remove_tree(Path(live.record.run_dir))
-            if live.record.paused is not None:
-                await self.drop_checkpoint(live.record.paused.id)
+            try:
+                await self.store.delete(sandbox_id)
+            finally:  # a store that fails keeps the record (killing: the next start ends it), not the files
+                await remove_tree(Path(live.record.run_dir))
+                if live.record.paused is not None:
+                    await self.drop_checkpoint(live.record.paused.id)
         self.schedule_gc()
 
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
@@ -603,8 +605,17 @@ class Orchestrator:
             new = (update(live.record) if update is not None else live.record).with_(**changes)
             if best_effort:
                 live.record = new
+            write = asyncio.ensure_future(self.store.put(new))
             try:
-                await self.store.put(new)
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                # (The server stops.) The write runs on in its thread: wait for it, so that the
+                # record in memory says what the store says (a revert by the caller then
+                # reaches the store after it, not before).
+                await asyncio.wait({write})
+                if not write.cancelled() and write.exception() is None:
+                    live.record = new
+                raise
             except StorageError:
                 if not best_effort:
                     raise
