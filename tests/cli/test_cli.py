@@ -102,8 +102,29 @@ def test_resolution_order(monkeypatch, tmp_path):
     assert credentials.resolve() == credentials.Credentials("http://127.0.0.1:8000", "k-file")
     credentials.save("http://saved:1", "k-saved")
     assert credentials.resolve() == credentials.Credentials("http://saved:1", "k-saved")
-    assert credentials.resolve("flag:2", None) == credentials.Credentials("http://flag:2", "k-saved")
     assert credentials.resolve(None, "k-flag") == credentials.Credentials("http://saved:1", "k-flag")
+    assert credentials.resolve("saved:1", None) == credentials.Credentials("http://saved:1", "k-saved")
+
+
+def test_a_key_is_sent_only_to_the_server_it_belongs_to(monkeypatch, tmp_path):
+    """The saved key is the saved server's, the data dir's key file a local server's: another
+    server named with --url gets neither (it was sent the saved key)."""
+    data = Path(os.environ["AENV_DATA_DIR"])
+    data.mkdir()
+    (data / "api_key").write_text("k-file\n")
+    credentials.save("http://saved:1", "k-saved")
+    assert credentials.resolve("flag:2", None) == credentials.Credentials("http://flag:2", None)
+    assert credentials.resolve("https://other.example", None).key is None
+    assert credentials.resolve("127.0.0.1:8001", None).key == "k-file"  # a server on this host
+    assert credentials.resolve("localhost:8000", None).key == "k-file"
+
+
+def test_auth_does_not_send_the_local_key_file_to_a_remote_server(aenv, isolated_env):
+    data = Path(os.environ["AENV_DATA_DIR"])
+    data.mkdir()
+    (data / "api_key").write_text("k-file\n")
+    res = aenv("auth", "--url", "http://192.0.2.99:8000")
+    assert res.exit_code == 1 and res.stderr.startswith("error: no API key given"), res.stderr
 
 
 def test_env_vars_act_as_global_flags(aenv, stub, monkeypatch):

@@ -30,15 +30,16 @@ def auth(
     """Save the server URL and API key to ~/.config/agentenv/credentials.json (mode 0600)."""
     g = globals_of(ctx)
     directory = data_dir or credentials.data_dir()
-    key = key or g.key or credentials.read_key_file(directory)
-    if not key:
-        raise CliError(f"no API key given and {directory / 'api_key'} is not readable; "
-                       "pass --key, or run `sudo aenv auth` on the server host")
     try:
         saved = credentials.load().get("url")
     except CliError:
         saved = None  # unreadable: replaced below
     chosen = credentials.normalize_url(url or g.url or saved or credentials.DEFAULT_URL)
+    # The data dir's key is a server on this host's: never sent to a remote one to "verify" it.
+    key = key or g.key or (credentials.read_key_file(directory) if credentials.is_local(chosen) else None)
+    if not key:
+        raise CliError(f"no API key given and {directory / 'api_key'} is not readable (or is a local "
+                       f"server's, and {chosen} is not local); pass --key, or run `sudo aenv auth` on the server host")
     out = console(stderr=True)
     # Checked before it is saved: a key the server refuses must not replace a good one. A
     # server that cannot be reached now is no reason to refuse (it may be started later).

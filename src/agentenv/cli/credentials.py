@@ -2,7 +2,8 @@
 
 Resolution, per value: ``--url``/``--key`` (or ``AENV_URL``/``AENV_API_KEY``), then
 ``~/.config/agentenv/credentials.json`` (written by `aenv auth`), then the local defaults:
-http://127.0.0.1:8000 and the key file the server generates in its data dir. The file holds a
+http://127.0.0.1:8000 and the key file the server generates in its data dir. A key is only
+sent to the server it belongs to (``resolve``). The file holds a
 secret, so it is written 0600 in a 0700 directory, atomically.
 """
 
@@ -12,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from agentenv.cli.context import CliError
 from agentenv.config import Settings
@@ -82,10 +84,24 @@ def save(url: str, key: str) -> Path:
     return path
 
 
+def is_local(url: str) -> bool:
+    """Whether ``url`` names a server on this host (whose data dir's key file is its key)."""
+    try:
+        host = urlsplit(normalize_url(url)).hostname or ""
+    except ValueError:  # not a URL at all: the client says so when it is used
+        return False
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def resolve(url: str | None = None, key: str | None = None) -> Credentials:
-    """Flags/env first, then the credentials file, then the local defaults."""
+    """Flags/env first, then the credentials file, then the local defaults. A key goes only
+    to the server it belongs to: the saved key to the saved URL, the data dir's key file to a
+    server on this host. Another server named with ``--url`` gets no key (its 401 then says
+    to run `aenv auth`), rather than this one's."""
     saved = load() if not (url and key) else {}
-    return Credentials(
-        url=normalize_url(url or saved.get("url") or DEFAULT_URL),
-        key=key or saved.get("key") or read_key_file(),
-    )
+    target = normalize_url(url or saved.get("url") or DEFAULT_URL)
+    if key is None and saved.get("key") and normalize_url(saved.get("url") or DEFAULT_URL) == target:
+        key = saved["key"]
+    if key is None and is_local(target):
+        key = read_key_file()
+    return Credentials(url=target, key=key)
