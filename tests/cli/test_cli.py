@@ -13,6 +13,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -399,6 +400,29 @@ def test_upload_and_download_stream(aenv, stub, tmp_path):
     assert res.exit_code == 0, res.output
     assert (out_dir / "blob.bin").read_bytes() == data
     assert [p.name for p in out_dir.iterdir()] == ["blob.bin"]  # no leftover partial file
+
+
+def test_a_download_writes_through_a_link_and_into_a_fifo_never_replacing_them(aenv, stub, tmp_path):
+    """A download renamed its temp file over the path given: a symlink (a dotfile kept in a
+    repository) was replaced by a copy and its target left as it was; as root a device node
+    (/dev/null) would be replaced by a regular file; a FIFO or /dev/fd/N failed."""
+    stub.on("GET", "/sandboxes/sb1/files", Answer(200, [b"new content\n"], "application/octet-stream"))
+    target = tmp_path / "repo-bashrc"
+    target.write_text("old\n")
+    link = tmp_path / ".bashrc"
+    link.symlink_to(target)
+    res = aenv("--url", stub.url, "download", "sb1", "/home/user/.bashrc", str(link))
+    assert res.exit_code == 0, res.output
+    assert link.is_symlink() and target.read_text() == "new content\n"
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    res = aenv("--url", stub.url, "download", "sb1", "/home/user/.bashrc", str(fifo))
+    reader.join(10)
+    assert res.exit_code == 0, res.output
+    assert got == [b"new content\n"] and stat.S_ISFIFO(fifo.stat().st_mode)
 
 
 def test_download_error_leaves_no_file(aenv, stub, tmp_path):

@@ -83,6 +83,14 @@ def download(
         dest = Path(local)
         if dest.is_dir():
             dest = dest / PurePosixPath(remote).name
+        if dest.is_symlink():
+            dest = dest.resolve()  # the file the link names gets the content; the link stays
+        if dest.exists() and not dest.is_file():
+            # A device, a FIFO, /dev/fd/N (a shell's >(...)): written to, never replaced by a
+            # regular file (as root, a rename would put one in place of /dev/null).
+            with dest.open("wb") as f:
+                _copy(resp, f, dest.name, total)
+            return
         tmp = dest.with_name(f".{dest.name}.aenv-part")
         try:
             with tmp.open("wb") as f:
