@@ -280,14 +280,29 @@ def test_exec_killed_by_a_signal(aenv, stub):
 def test_exec_stream_cut_short_is_an_error(aenv, stub):
     stub.on("POST", "/sandboxes/sb1/exec", ndjson({"type": "stdout", "data": "partial"}))
     res = aenv("--url", stub.url, "exec", "sb1", "true")
-    assert res.exit_code == 1 and "error: the server closed the output stream" in res.stderr
+    assert res.exit_code == 125 and "error: the server closed the output stream" in res.stderr
 
 
 def test_exec_shows_the_error_the_server_streamed(aenv, stub):
     stub.on("POST", "/sandboxes/sb1/exec", ndjson({"type": "stdout", "data": "partial"},
                                                    {"type": "error", "message": "guest agent: lost the guest agent"}))
     res = aenv("--url", stub.url, "exec", "sb1", "true")
-    assert res.exit_code == 1 and "error: guest agent: lost the guest agent" in res.stderr
+    assert res.exit_code == 125 and "error: guest agent: lost the guest agent" in res.stderr
+
+
+def test_exec_failures_of_its_own_are_told_apart_from_the_commands_codes(aenv, stub, closed_port):
+    """A script's `aenv exec ID -- grep -q x f || ...` must tell 'not found' (1) from a sandbox
+    that is gone, a server that is down (125: aenv failed) and a command killed at --timeout
+    (124, as timeout(1)); all were 1. A mistyped option of aenv's is a usage error (2)."""
+    stub.on("POST", "/sandboxes/gone/exec", {"code": 404, "message": "sandbox 'gone' not found"}, status=404)
+    res = aenv("--url", stub.url, "exec", "gone", "true")
+    assert res.exit_code == 125 and "not found" in res.stderr, res.output
+    res = aenv("--url", f"http://127.0.0.1:{closed_port}", "exec", "sb1", "true")
+    assert res.exit_code == 125 and res.stderr.startswith("error: cannot reach"), res.output
+    stub.on("POST", "/sandboxes/sb1/exec", ndjson(
+        {"type": "start", "pid": 7}, {"type": "error", "message": "deadline exceeded", "code": "deadline_exceeded"}))
+    res = aenv("--url", stub.url, "exec", "sb1", "-t", "5", "sleep 10")
+    assert res.exit_code == 124 and "longer than its timeout" in res.stderr, res.output
 
 
 def test_start_detached_prints_the_id(aenv, stub):
@@ -511,7 +526,7 @@ def test_an_answer_that_is_not_json_names_the_address(aenv, stub):
 def test_exec_refuses_an_option_it_does_not_have_before_the_command(aenv, stub):
     for args in (["exec", "sb1", "--bogus", "ls"], ["exec", "-iq", "sb1", "ls"]):
         res = aenv("--url", stub.url, *args)
-        assert res.exit_code == 1 and res.stderr.startswith("error: no such option"), res.output
+        assert res.exit_code == 2 and res.stderr.startswith("error: no such option"), res.output
     assert not stub.requests, "nothing was run"
     assert "Usage: aenv exec" in aenv("exec", "sb1", "-h").stdout
 

@@ -50,7 +50,7 @@ def test_cli_lifecycle(server: ServerProcess, tmp_path: Path) -> None:
         r = aenv(server, "rm", sid)
     assert r.returncode == 0, r.stderr
     r = aenv(server, "exec", sid, "--", "true")
-    assert r.returncode == 1 and r.stderr.startswith("error:") and sid in r.stderr
+    assert r.returncode == 125 and r.stderr.startswith("error:") and sid in r.stderr  # aenv's failure, not the command's
 
 
 def sandbox_ids(server: ServerProcess) -> set[str]:
@@ -266,6 +266,6 @@ def test_cli_exec_with_stdin_feeds_the_command_and_ctrl_c_ends_it(
         assert api.post(f"/sandboxes/{paused}/pause").status_code == 204
         r = subprocess.run([*AENV, "exec", "-i", paused, "--", "cat"], input=b"x", capture_output=True, env=env,
                            timeout=120)
-        assert r.returncode == 1 and b"is paused" in r.stderr and b"aenv resume" in r.stderr, r.stderr
+        assert r.returncode == 125 and b"is paused" in r.stderr and b"aenv resume" in r.stderr, r.stderr
     finally:
         api.delete(f"/sandboxes/{paused}")

@@ -16,9 +16,15 @@ class CliError(Exception):
     ``status`` is the HTTP status when the server answered with an error, else None.
     """
 
+    exit_code = 1  # the CLI's exit status for it (2: a usage error, as click's own)
+
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class CommandTimedOut(CliError):
+    """A remote command was killed at its --timeout (`aenv exec` exits 124, as timeout(1))."""
 
 
 @dataclass

@@ -18,10 +18,11 @@ import typer
 from typer.core import TyperCommand, TyperOption
 
 from agentenv.cli.client import EXEC_TIMEOUT, ApiClient, client_for
-from agentenv.cli.context import CliError
+from agentenv.cli.context import CliError, CommandTimedOut
 from agentenv.cli.exitstatus import exit_status
 from agentenv.cli.params import parse_pairs
 from agentenv.cli.terminal import run_piped
+from agentenv.errors import AgentenvError
 
 # `aenv exec ID ls -la` passes -la on to the command: options after the command's first word
 # are the command's (ExecCommand); before it, -h and --help are ours.
@@ -70,9 +71,22 @@ def _option_consumes_next(arg: str, ours: set[str], takes_value: set[str]) -> in
                 break
     for name in names:
         if name not in ours:
-            raise CliError(f"no such option: {name} (the command's own options go after its first word, "
-                           "or after --)")
+            raise UnknownOption(f"no such option: {name} (the command's own options go after its first word, "
+                                "or after --)")
     return int(names[-1] in takes_value and not has_value)
+
+
+# Exit statuses of `aenv exec` that are not the command's, so that a script can tell them
+# apart from its codes: as timeout(1) for a command killed at --timeout, as `docker run` for
+# aenv's own failures (sandbox not found, server unreachable, the stream lost).
+EXIT_TIMED_OUT = 124
+EXIT_AENV_FAILED = 125
+
+
+class UnknownOption(CliError):
+    """An option of aenv exec's that it does not have: a usage error."""
+
+    exit_code = 2
 
 
 def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, envs: dict[str, str] | None = None,
@@ -103,7 +117,10 @@ def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, env
                 return _exit_code(event)
             # ("keepalive" lines only keep the read timeout from firing on a silent command)
             elif kind == "error":  # the stream failed after its start (agent lost, deadline)
-                raise CliError(str(event.get("message") or "the command failed"))
+                message = str(event.get("message") or "the command failed")
+                if event.get("code") == "deadline_exceeded":
+                    raise CommandTimedOut(f"the command ran longer than its timeout and was killed ({message})")
+                raise CliError(message)
     raise CliError("the server closed the output stream before the command ended")
 
 
@@ -145,16 +162,24 @@ def exec_command(
                                                               "(until EOF); without it the command's "
                                                               "stdin is empty.")] = False,
 ) -> None:
-    """Run a command in a sandbox: `aenv exec ID -- CMD...`; exits with the command's code."""
+    """Run a command in a sandbox: `aenv exec ID -- CMD...`; exits with the command's code
+    (128+N if signal N killed it), 124 if --timeout killed it, 125 if aenv itself failed."""
     envs = parse_pairs(env, "--env")
     command: str | list[str] = cmd[0] if len(cmd) == 1 else list(cmd)
-    with client_for(ctx) as client:
-        if stdin:  # straight to the sandbox's envd (through the server's proxy), which takes input
-            sandbox = client.call("GET", f"/sandboxes/{sandbox_id}")
-            if sandbox.get("state") != "running":
-                raise CliError(f"sandbox {sandbox_id} is {sandbox.get('state')}; it must be running "
-                               f"(`aenv resume {sandbox_id}`)", status=409)
-            code = run_piped(client.url, sandbox, command, envs=envs, cwd=cwd, user=user, timeout=timeout)
-        else:
-            code = stream_exec(client, sandbox_id, command, envs=envs, cwd=cwd, user=user, timeout=timeout)
+    try:
+        with client_for(ctx) as client:
+            if stdin:  # straight to the sandbox's envd (through the server's proxy), which takes input
+                sandbox = client.call("GET", f"/sandboxes/{sandbox_id}")
+                if sandbox.get("state") != "running":
+                    raise CliError(f"sandbox {sandbox_id} is {sandbox.get('state')}; it must be running "
+                                   f"(`aenv resume {sandbox_id}`)", status=409)
+                code = run_piped(client.url, sandbox, command, envs=envs, cwd=cwd, user=user, timeout=timeout)
+            else:
+                code = stream_exec(client, sandbox_id, command, envs=envs, cwd=cwd, user=user, timeout=timeout)
+    except (CliError, AgentenvError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError):
+            raise
+        message = exc.message if isinstance(exc, AgentenvError) else str(exc)
+        sys.stderr.write(f"error: {message}\n")
+        raise typer.Exit(EXIT_TIMED_OUT if isinstance(exc, CommandTimedOut) else EXIT_AENV_FAILED) from None
     raise typer.Exit(code)

@@ -32,10 +32,10 @@ from agentenv.cli.output import OutputFormat
 from agentenv.errors import AgentenvError
 
 
-def fail(message: str) -> typer.Exit:
+def fail(message: str, code: int = 1) -> typer.Exit:
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
-    return typer.Exit(1)
+    return typer.Exit(code)
 
 
 class AenvGroup(TyperGroup):
@@ -45,7 +45,7 @@ class AenvGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except CliError as exc:
-            raise fail(str(exc)) from None
+            raise fail(str(exc), exc.exit_code) from None
         except AgentenvError as exc:
             raise fail(exc.message) from None
         except BrokenPipeError:

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, suppress
 from typing import Any
 
-from agentenv.cli.context import CliError
+from agentenv.cli.context import CliError, CommandTimedOut
 from agentenv.cli.exitstatus import exit_status, signal_number
 from agentenv.envd_client import EnvdClient, EnvdError, EnvdUnavailable
 
@@ -74,7 +74,7 @@ def run_piped(server_url: str, sandbox: dict[str, Any], cmd: str | list[str], *,
         return asyncio.run(_until_signalled(session))
     except EnvdError as exc:
         if exc.code == "deadline_exceeded":
-            raise CliError(f"the command ran longer than its timeout ({timeout:g} s) and was killed") from None
+            raise CommandTimedOut(f"the command ran longer than its timeout ({timeout:g} s) and was killed") from None
         raise CliError(f"command in sandbox {sandbox['sandboxID']}: {exc.message or exc.code}") from None
 
 

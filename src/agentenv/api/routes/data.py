@@ -88,7 +88,8 @@ async def exec_command(sandbox_id: str, body: ExecRequest, request: Request) -> 
                     yield json.dumps(d).encode() + b"\n"
             except Exception as exc:  # noqa: BLE001 — the 200 is sent: report in the stream
                 msg = exc.message if isinstance(exc, EnvdError) else f"lost the guest agent: {exc!r}"
-                yield json.dumps({"type": "error", "message": msg}).encode() + b"\n"
+                code = exc.code if isinstance(exc, EnvdError) else "unavailable"  # deadline_exceeded: --timeout
+                yield json.dumps({"type": "error", "message": msg, "code": code}).encode() + b"\n"
             finally:
                 if pid is not None and not ended:
                     # The client went away (Ctrl-C on aenv exec) before the end: the command
