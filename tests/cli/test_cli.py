@@ -440,6 +440,45 @@ def test_a_download_writes_through_a_link_and_into_a_fifo_never_replacing_them(a
     assert got == [b"new content\n"] and stat.S_ISFIFO(fifo.stat().st_mode)
 
 
+def test_pull_prints_the_template_id_on_stdout(aenv, stub):
+    stub.on("POST", "/images/pull", {"templateID": "alpine", "image": {"ref": "docker.io/library/alpine:3",
+                                                                       "digest": "sha256:" + "a" * 64}})
+    res = aenv("--url", stub.url, "pull", "alpine:3")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == "alpine\n" and "aenv start alpine" in res.stderr
+
+
+def test_upload_of_a_file_that_says_it_is_empty_or_grows_sends_what_it_has(aenv, stub, tmp_path):
+    """/proc files report size 0, a log grows while it is read: with a fixed Content-Length
+    the upload failed ('Too much data for declared Content-Length')."""
+    stub.on("PUT", "/sandboxes/sb1/files", Answer(204))
+    res = aenv("--url", stub.url, "upload", "sb1", "/proc/self/status", "/tmp/status")
+    assert res.exit_code == 0, res.output
+    assert stub.requests[-1].body.startswith(b"Name:") and "Content-Length" not in stub.requests[-1].headers
+    log = tmp_path / "growing.log"
+    log.write_bytes(b"x" * (8 << 20))
+    writing = threading.Event()
+    writing.set()
+
+    def keep_writing() -> None:  # a program still writing its log
+        with open(log, "ab") as f:
+            while writing.is_set():
+                f.write(b"y" * 1024)
+                f.flush()
+
+    writer = threading.Thread(target=keep_writing, daemon=True)
+    writer.start()
+    try:
+        res = aenv("--url", stub.url, "upload", "sb1", str(log), "/tmp/log")
+    finally:
+        writing.clear()
+        writer.join()
+    body = stub.requests[-1].body
+    assert res.exit_code == 0, res.output
+    assert int(stub.requests[-1].headers["Content-Length"]) == len(body) >= 8 << 20
+    assert res.exit_code == 0, res.output
+
+
 def test_download_error_leaves_no_file(aenv, stub, tmp_path):
     stub.on("GET", "/sandboxes/sb1/files", {"code": 404, "message": "guest agent: file not found"}, status=404)
     dest = tmp_path / "x"

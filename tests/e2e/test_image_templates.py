@@ -165,7 +165,7 @@ def test_cli_pull_then_start(node: ServerProcess, images) -> None:
     out = subprocess.run([*aenv, "pull", images["busybox"].ref, "--name", "bb-cli"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert "bb-cli" in out.stdout + out.stderr
+    assert out.stdout == "bb-cli\n" and "start it with" in out.stderr  # T=$(aenv pull ...) is the id
     out = subprocess.run([*aenv, "start", "bb-cli", "-d"], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     sid = out.stdout.strip()

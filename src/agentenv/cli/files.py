@@ -48,17 +48,24 @@ def upload(
         if not path.is_file():
             raise typer.BadParameter(f"{local} is not a file", param_hint="LOCAL")
         source = path.open("rb")
-        size = path.stat().st_size
-        headers["Content-Length"] = str(size)  # lets the server see the size; no chunked encoding
+        # The size lets the server see it (no chunked encoding): the bytes the file has now,
+        # not more if it grows meanwhile (a log being written). A file whose size says 0
+        # (/proc/cpuinfo) goes chunked, all of it.
+        size = path.stat().st_size or None
+        if size:
+            headers["Content-Length"] = str(size)
         if remote.endswith("/"):
             remote += path.name
     owned = contextlib.nullcontext() if local == "-" else source  # never close our own stdin
     with owned, transfer(f"upload {PurePosixPath(remote).name}", size) as advance:
 
         def chunks() -> Iterator[bytes]:
-            while data := source.read(CHUNK):
+            left = size
+            while data := source.read(CHUNK if left is None else min(CHUNK, left)):
                 advance(len(data))
                 yield data
+                if left is not None and not (left := left - len(data)):
+                    return
 
         with client_for(ctx) as client:
             client.call("PUT", f"/sandboxes/{sandbox_id}/files", params=_params(remote, user), content=chunks(),

@@ -52,6 +52,9 @@ def pull(
     if explicit_format(ctx, output) == "json":
         print_json(t)
         return
+    # Its id on stdout, as `start -d` and `snapshot` print theirs (T=$(aenv pull alpine)); the
+    # sentence for a person on stderr.
     digest = (t.get("image") or {}).get("digest", "")
-    console().print(f"template [cyan]{t['templateID']}[/] from {(t.get('image') or {}).get('ref', image)} "
-                  f"({digest[:19]}); start it with `aenv start {t['templateID']}`")
+    typer.echo(t["templateID"])
+    console(stderr=True).print(f"template [cyan]{t['templateID']}[/] from {(t.get('image') or {}).get('ref', image)} "
+                               f"({digest[:19]}); start it with `aenv start {t['templateID']}`")

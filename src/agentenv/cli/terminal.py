@@ -95,10 +95,12 @@ def _exit_code(exit_code: int, exited: bool, status: str) -> int:
 
 
 async def _refresh_loop(refresh: Callable[[], object]) -> None:
+    """At once, then every ``REFRESH_EVERY_S``: a sandbox with less than that to live
+    (`aenv start --timeout 30`) would die under the attached shell before the first refresh."""
     while True:
-        await asyncio.sleep(REFRESH_EVERY_S)
         with suppress(Exception):
             await asyncio.to_thread(refresh)
+        await asyncio.sleep(REFRESH_EVERY_S)
 
 
 async def _until_signalled(session: Any, refresh: Callable[[], object] | None = None) -> int:
@@ -306,7 +308,8 @@ async def _terminal_session(envd: EnvdClient) -> int:
         finally:
             loop.remove_reader(fd)
             loop.remove_signal_handler(signal.SIGWINCH)
-            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+            with suppress(termios.error, OSError):  # a hung-up terminal (its window closed): EIO
+                termios.tcsetattr(fd, termios.TCSADRAIN, saved)
             for task in list(tasks):
                 task.cancel()
             for task in list(tasks):
