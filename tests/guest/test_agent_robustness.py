@@ -449,6 +449,76 @@ def test_a_listing_of_the_whole_file_system_is_refused_not_held_in_memory(agent:
     assert "smaller depth" in out["message"]
 
 
+FILL_THE_PIPE = r"""
+import fcntl, os, select
+fcntl.fcntl(1, fcntl.F_SETFL, fcntl.fcntl(1, fcntl.F_GETFL) | os.O_NONBLOCK)
+blocks = 0
+while True:  # 4 KiB blocks (atomic on a pipe) until the pipe stays full: the agent stopped reading it
+    try:
+        os.write(1, b"%08d" % blocks * 512)
+    except BlockingIOError:
+        if not select.select([], [1], [], 2.0)[1]:
+            break
+        continue
+    blocks += 1
+os.write(2, b"blocks=%d" % blocks)
+"""
+
+
+def test_a_client_that_falls_behind_gets_all_output_and_the_ended_process_leaves_the_list(
+        agent: RunningAgent) -> None:
+    """A client that does not read (the sync SDK's background handle until wait()) makes the
+    agent stop reading the command's pipe. The command exits with its last 64 KiB in that pipe;
+    the end comes after EXIT_DRAIN_MAX (10 s) without the client. That output was dropped (the
+    end said success), and the process stayed in List as running until its client read."""
+    c = http.client.HTTPConnection("127.0.0.1", _port(agent), timeout=120)
+    c.request("POST", "/process.Process/Start",
+              envelope({"process": {"cmd": "/usr/bin/python3", "args": ["-c", FILL_THE_PIPE]}}), CONNECT_JSON)
+    try:
+        time.sleep(14)  # the pipe stays full 2 s, the exit, EXIT_DRAIN_MAX: the end is out without the client
+        status, listed = _unary(agent, "process.Process/List", {})
+        assert status == 200
+        assert not [p for p in listed.get("processes", []) if "FILL_THE_PIPE" in str(p) or "blocks" in str(p)], listed
+        frames = parse_envelopes(c.getresponse().read())
+    finally:
+        c.close()
+    out, err, end = b"", b"", None
+    for _, m in frames:
+        event = m.get("event") or {}
+        out += base64.b64decode((event.get("data") or {}).get("stdout", ""))
+        err += base64.b64decode((event.get("data") or {}).get("stderr", ""))
+        end = event.get("end", end)
+    blocks = int(err.decode().removeprefix("blocks="))
+    assert end is not None and end.get("exited"), end
+    assert blocks > 16 and len(out) == blocks * 4096, (blocks, len(out))
+    assert out[-4096:] == b"%08d" % (blocks - 1) * 512, "the last block written"
+
+
+def test_connect_timeout_zero_is_no_deadline_and_connect_by_tag_finds_the_latest(agent: RunningAgent) -> None:
+    """Connect-Timeout-Ms: 0 is no deadline, as envd takes it (the agent killed the command at
+    once); a Connect by tag to commands that ended finds the one that ended last (it found the
+    first)."""
+    c = http.client.HTTPConnection("127.0.0.1", _port(agent), timeout=60)
+    try:
+        c.request("POST", "/process.Process/Start", envelope({"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 0.3; exit 4"]}}),
+                  {**CONNECT_JSON, "Connect-Timeout-Ms": "0"})
+        frames = parse_envelopes(c.getresponse().read())
+    finally:
+        c.close()
+    assert frames[-2][1]["event"]["end"]["exitCode"] == 4, frames
+    for code in (1, 2):
+        status, frames = _start(agent, "/bin/sh", "-c", f"exit {code}", tag="job")
+        assert status == 200
+    c = http.client.HTTPConnection("127.0.0.1", _port(agent), timeout=60)
+    try:
+        c.request("POST", "/process.Process/Connect", envelope({"process": {"tag": "job"}}), CONNECT_JSON)
+        frames = parse_envelopes(c.getresponse().read())
+    finally:
+        c.close()
+    ends = [m["event"]["end"] for _, m in frames if "end" in (m.get("event") or {})]
+    assert [e.get("exitCode") for e in ends] == [2], frames
+
+
 def test_a_gzip_upload_of_several_members_is_written_whole_and_trailing_garbage_refused(
         agent: RunningAgent, tmp_path) -> None:
     """``cat a.gz b.gz`` (and pigz) make one body of several gzip members; envd reads them all.

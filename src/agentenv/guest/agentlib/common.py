@@ -240,7 +240,7 @@ class CallContext:
         self.default_user, self.headers = default_user, headers
         try:
             ms = headers.get("connect-timeout-ms")
-            self.timeout = int(ms) / 1000.0 if ms else None
+            self.timeout = int(ms) / 1000.0 if ms and int(ms) > 0 else None  # 0: no deadline, as envd
             self.keepalive = float(headers.get("keepalive-ping-interval") or DEFAULT_KEEPALIVE)
         except ValueError:
             raise ConnectError("invalid_argument", "invalid Connect-Timeout-Ms or Keepalive-Ping-Interval") from None

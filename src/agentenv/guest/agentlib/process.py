@@ -42,6 +42,8 @@ from .fsutil import chown_to
 
 STDIN_BUFFER = 256 * 1024  # StreamInput waits while more than this is queued for the process
 EXIT_DRAIN_MAX = 10.0  # after an exit, how long the end waits for a slow client to catch up
+LEFT_IN_PIPE_MAX = 1 << 20  # what the end still takes from a paused output (a pipe holds 64 KiB)
+MAX_FINISHED = 4096  # finished processes kept for a late Connect (besides FINISHED_TTL)
 
 
 
@@ -325,8 +327,6 @@ class Process:
         if fd is not None:
             self._paused.discard(fd)
             self._loop.add_reader(fd, self._readable, fd, kind)
-        elif self._on_finish is not None:
-            self._finished()
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -349,14 +349,34 @@ class Process:
                 end["error"] = end["status"]
             else:
                 del end["exitCode"]
-        full = self._deliver({"end": end})
+        full = self._left_in_paused_outputs()
+        full += self._deliver({"end": end})
         self.end, self.finished_at = end, time.monotonic()
         self.subscribers.clear()
         self.close_stdin()
-        if full:
+        if full:  # its subscribers get the end once they have room; it no longer runs now
             self._spawn_task(self._deliver_later(full))
-        else:
-            self._finished()
+        self._finished()
+
+    def _left_in_paused_outputs(self) -> list[tuple[Subscriber, dict]]:
+        """The end comes while reading an output is paused for a slow client (it gave up
+        waiting for it: EXIT_DRAIN_MAX): what the process left in that pipe goes before the
+        end, not dropped (a test run's summary is its last lines). Read without blocking,
+        to EOF or to LEFT_IN_PIPE_MAX (a background grandchild may keep writing)."""
+        full: list[tuple[Subscriber, dict]] = []
+        kinds = dict(self._outputs)
+        for fd in sorted(self._paused):
+            left = LEFT_IN_PIPE_MAX
+            while left > 0:
+                try:
+                    data = os.read(fd, min(OUTPUT_CHUNK, left))
+                except OSError:  # BlockingIOError: nothing more now; EIO: a PTY whose slave closed
+                    break
+                if not data:
+                    break
+                left -= len(data)
+                full += self._deliver({"data": {kinds.get(fd, "stdout"): base64.b64encode(data).decode()}})
+        return full
 
     def _finished(self) -> None:
         on_finish, self._on_finish = self._on_finish, None
@@ -444,11 +464,14 @@ class ProcessManager:
         is in the order processes finished (a dict keeps insertion order), so the expired ones
         are at its front: each finish costs O(1), not a scan of every command of the last
         minutes (a rollout runs thousands, and the scan made every command slower as they piled up)."""
-        self.running.pop(proc.pid, None)
+        if self.running.get(proc.pid) is proc:  # (its pid may be another process's by now)
+            del self.running[proc.pid]
         self.finished.pop(proc.pid, None)  # a reused pid goes to the back
         self.finished[proc.pid] = proc
+        proc.config = {}  # (a late Connect needs its end, not its command, which may be large)
         cutoff = time.monotonic() - FINISHED_TTL
-        while self.finished and (oldest := next(iter(self.finished.values()))).finished_at < cutoff:
+        while self.finished and ((oldest := next(iter(self.finished.values()))).finished_at < cutoff
+                                 or len(self.finished) > MAX_FINISHED):
             del self.finished[oldest.pid]
 
     def find(self, selector: Any, finished_ok: bool = False) -> Process:
@@ -458,8 +481,8 @@ class ProcessManager:
         proc = self.running.get(key) or (self.finished.get(key) if finished_ok else None)
         if proc is not None:
             return proc
-        if tag:
-            for proc in [*self.running.values(), *(self.finished.values() if finished_ok else ())]:
+        if tag:  # a running one, else the one that finished last
+            for proc in [*self.running.values(), *(reversed(self.finished.values()) if finished_ok else ())]:
                 if proc.tag == tag:
                     return proc
         raise ConnectError("not_found", f"process with {'pid ' + str(pid) if pid else 'tag ' + str(tag)} not found")
