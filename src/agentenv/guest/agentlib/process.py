@@ -202,6 +202,8 @@ class Process:
             self._input_lock = asyncio.Lock()
         async with self._input_lock:
             stdin = await self.input()
+            if stdin.is_closing():  # closed (CloseStdin, the end) while this input waited its turn
+                raise ConnectError("failed_precondition", "stdin of the process is not open")
             stdin.write(data)
             assert self._stdin_flow is not None
             await self._stdin_flow.writable()
