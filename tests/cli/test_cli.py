@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import stat
 import struct
 import subprocess
@@ -303,6 +304,28 @@ def test_exec_failures_of_its_own_are_told_apart_from_the_commands_codes(aenv, s
         {"type": "start", "pid": 7}, {"type": "error", "message": "deadline exceeded", "code": "deadline_exceeded"}))
     res = aenv("--url", stub.url, "exec", "sb1", "-t", "5", "sleep 10")
     assert res.exit_code == 124 and "longer than its timeout" in res.stderr, res.output
+
+
+def test_ctrl_c_while_a_sandbox_is_created_removes_it(aenv, stub):
+    """The server goes on with a create whose client went: Ctrl-C during `aenv start` left the
+    sandbox running until its timeout. The create carries an Idempotency-Key; asked again with
+    it, the server answers with the sandbox once made, and aenv kills it."""
+    first = threading.Event()
+
+    def create(rec):
+        if not first.is_set():
+            first.set()
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+            time.sleep(1.0)  # the create takes a while; Ctrl-C comes meanwhile
+        return Answer(201, json.dumps({"templateID": "base", "sandboxID": "sb7"}).encode())
+
+    stub.on("POST", "/sandboxes", create)
+    stub.on("DELETE", "/sandboxes/sb7", Answer(204))
+    res = aenv("--url", stub.url, "start", "base")
+    assert res.exit_code == 130, res.output
+    creates = stub.calls("POST", "/sandboxes")
+    assert len(creates) == 2 and creates[0].headers["Idempotency-Key"] == creates[1].headers["Idempotency-Key"]
+    assert stub.calls("DELETE", "/sandboxes/sb7") and "sandbox sb7 killed" in res.stderr
 
 
 def test_start_detached_prints_the_id(aenv, stub):

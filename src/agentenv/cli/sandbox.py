@@ -6,6 +6,7 @@ answers into a table (or JSON when piped).
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -69,8 +70,7 @@ def start(
     if env:
         body["envVars"] = parse_pairs(env, "--env")
     with client_for(ctx) as client:
-        with status(f"Starting a sandbox from template '{template}'…"):
-            sandbox = client.call("POST", "/sandboxes", json=body, timeout=CREATE_TIMEOUT)
+        sandbox = create_or_undo(client, body)
         sid = sandbox["sandboxID"]
         if detach:
             # An id is what scripts want (`SB=$(aenv start -d)`); JSON only when asked for.
@@ -89,6 +89,27 @@ def start(
                 client.call("DELETE", f"/sandboxes/{sid}")
                 err.print(f"sandbox {sid} killed", markup=False)
     raise typer.Exit(code)
+
+
+def create_or_undo(client: ApiClient, body: dict[str, Any]) -> dict[str, Any]:
+    """Create a sandbox; Ctrl-C while it is being made (minutes under TCG) removes it. The
+    server goes on with a create whose client went, so the request carries an Idempotency-Key:
+    asked again with it, the server answers with that sandbox once made, and it is killed."""
+    template = body["templateID"]
+    headers = {"Idempotency-Key": f"aenv-start-{uuid.uuid4().hex}"}
+    try:
+        with status(f"Starting a sandbox from template '{template}'…"):
+            return client.call("POST", "/sandboxes", json=body, headers=headers, timeout=CREATE_TIMEOUT)
+    except KeyboardInterrupt:
+        err = console(stderr=True)
+        err.print("interrupted: removing the sandbox being created…", markup=False)
+        try:
+            made = client.call("POST", "/sandboxes", json=body, headers=headers, timeout=CREATE_TIMEOUT)
+            client.call("DELETE", f"/sandboxes/{made['sandboxID']}")
+            err.print(f"sandbox {made['sandboxID']} killed", markup=False)
+        except CliError as exc:  # (its create failed: nothing to remove)
+            err.print(f"nothing to remove: {exc}", markup=False)
+        raise typer.Exit(130) from None
 
 
 def refresher(client: ApiClient, sandbox_id: str) -> Callable[[], object]:
