@@ -23,7 +23,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agentenv.durable import fsync_path
+from agentenv.durable import publish
 from agentenv.storage.memory_layers import materialize
 
 TMP_SUFFIX = ".tmp"  # memory files being copied back; left behind only by a crash
@@ -64,9 +64,7 @@ class TemplateSnapshot:
         snapshot made before copies were kept; blocking). Durable before it is relied on."""
         tmp = self.dir / "memory.tmp"
         materialize(self.mem_file, [], tmp)
-        fsync_path(tmp)
-        os.replace(tmp, self.memory_copy)
-        fsync_path(self.dir)
+        publish(tmp, self.memory_copy)
 
     def ensure_memory(self) -> None:
         """Bring the memory file back onto tmpfs from the durable copy if it is gone (blocking:

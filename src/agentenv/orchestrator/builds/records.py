@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv.durable import fsync_path
+from agentenv.durable import publish
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +91,10 @@ def _write(path: Path, data: dict[str, Any], durable: bool = False) -> None:
     tmp = path.with_suffix(".json.tmp")
     with open(tmp, "w") as f:
         json.dump(data, f)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
     if durable:
-        fsync_path(path.parent)
+        publish(tmp, path)
+    else:
+        os.replace(tmp, path)
 
 
 class BuildFiles:
