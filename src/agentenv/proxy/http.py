@@ -13,14 +13,14 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from agentenv.envd_client import EnvdError
 from agentenv.envd_client.transport import TARGET, GuestTransport, NoCookies
 from agentenv.errors import NotFound, SandboxStateError
-from agentenv.orchestrator import GUEST_UP, Orchestrator, State
+from agentenv.orchestrator import GUEST_UP, Orchestrator, SandboxRecord, State
 from agentenv.proxy import websocket
 from agentenv.proxy.envd_auth import carries_envd_credentials
 from agentenv.proxy.headers import (
@@ -37,6 +37,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+_T = TypeVar("_T")
 
 ENVD_PORT = 49983
 SWEEP_INTERVAL_S = 5.0  # how often the pools of sandboxes gone are closed
@@ -64,6 +65,9 @@ def envd_path_allowed(raw_path: bytes) -> bool:
 # without one, a request whose client went while a guest did not read its body (or never
 # answered) held its handler and a pool connection until the sandbox stopped.
 IDLE_TIMEOUT_S = 620.0
+# States a request resumes a sandbox from (auto-resume). RESUMING too: traffic that comes
+# while another request's resume runs waits for it (connect takes the sandbox's lock).
+WAKES = frozenset({State.PAUSING, State.PAUSED, State.RESUMING})
 _TIMEOUTS = httpx.Timeout(connect=3.0, read=IDLE_TIMEOUT_S, write=IDLE_TIMEOUT_S, pool=30.0).as_dict()
 _HOST_LABEL = re.compile(r"^(\d{1,5})-([a-z0-9]+)$")
 _SANDBOX_ID = re.compile(r"^[a-z0-9]+$")
@@ -219,6 +223,31 @@ class SandboxProxy:
             for c in stale:
                 await c.aclose()
 
+    async def dial(self, attempt: Callable[[], Awaitable[_T]], sandbox_id: str, port: int, *,
+                   refused: type[Exception], timed_out: tuple[type[Exception], ...] = ()) -> _T:
+        """``attempt`` a connection to a sandbox's port (HTTP and WebSocket alike). A port that
+        refuses (a server may be starting) or times out is dialled again, ``dial_attempts``
+        times ``dial_delay_s`` apart; a refused one first at once through the guest agent's
+        forward, for a service that listens on the guest's loopback only. 502 "not found" once
+        the sandbox stops running (its client may be closed by then), "port is not open" after
+        the last attempt."""
+        attempts, forwarded = self.dial_attempts, False
+        while True:
+            try:
+                return await attempt()
+            except (refused, *timed_out) as exc:
+                if self.running(sandbox_id) is False:
+                    raise not_found(sandbox_id) from None
+                if not forwarded and isinstance(exc, refused) and await self.forward_loopback(sandbox_id, port):
+                    forwarded = True
+                    continue  # dial again now, through the guest's forward
+                attempts -= 1
+                if attempts <= 0:
+                    raise port_closed(sandbox_id, port) from None
+                await asyncio.sleep(self.dial_delay_s)
+                if self.running(sandbox_id) is False:  # killed or paused meanwhile
+                    raise not_found(sandbox_id) from None
+
     async def forward_loopback(self, sandbox_id: str, port: int) -> bool:
         """After a refused dial: ask the guest agent to forward ``port`` if a service listens on
         it on the guest's loopback only (as E2B's envd does). True once a forward is (newly) up."""
@@ -242,11 +271,12 @@ class SandboxProxy:
         if port != ENVD_PORT and token and not hmac.compare_digest(sent, str(token).encode("latin-1", "replace")):
             raise _Reject(403, {"code": 403, "message": f"sandbox {sandbox_id} is private: send its traffic access "
                                 "token in the e2b-traffic-access-token header"})
-        # The agent's own port wakes a sandbox only for a request the agent would accept.
-        if port != ENVD_PORT or carries_envd_credentials(
+        # The agent's own port wakes a sandbox only for a request the agent would accept
+        # (checked only for a sandbox a request may wake: not on every request's path).
+        if rec.state in WAKES and (port != ENVD_PORT or carries_envd_credentials(
                 rec.access_token, scope.get("method", "GET"), scope.get("path", ""), scope.get("query_string", b""),
-                headers):
-            await self._auto_resume(sandbox_id)
+                headers)):
+            await self._auto_resume(rec)
         try:
             addr = self.orch.guest_address(sandbox_id)
         except (NotFound, SandboxStateError):
@@ -262,22 +292,17 @@ class SandboxProxy:
         mask = net.get("maskRequestHost")
         return mask.replace("${PORT}", str(port)).encode() if mask else headers.get(b"host")
 
-    async def _auto_resume(self, sandbox_id: str) -> None:
-        """Traffic for a paused sandbox created with ``autoResume.enabled`` resumes it (with
-        at least 300 s to live) before it is forwarded; any other paused sandbox is 502."""
-        try:
-            rec = self.orch.get(sandbox_id)
-        except NotFound:
-            return
+    async def _auto_resume(self, rec: SandboxRecord) -> None:
+        """Traffic for a paused sandbox (``rec``, in ``WAKES``) created with
+        ``autoResume.enabled`` resumes it (with at least 300 s to live) before it is forwarded;
+        any other paused sandbox is 502."""
         auto = rec.options.get("autoResume") or {}
-        # RESUMING too: traffic that comes while another request's resume runs waits for it
-        # (connect takes the sandbox's lock, then finds it running) instead of a 502.
-        if rec.state in (State.PAUSING, State.PAUSED, State.RESUMING) and isinstance(auto, dict) and auto.get("enabled"):
-            log.info("traffic for paused sandbox %s: resuming it (autoResume)", sandbox_id)
+        if isinstance(auto, dict) and auto.get("enabled"):
+            log.info("traffic for paused sandbox %s: resuming it (autoResume)", rec.id)
             try:
-                await self.orch.connect(sandbox_id, 300)
+                await self.orch.connect(rec.id, 300)
             except Exception as exc:  # noqa: BLE001 — the request then gets the usual 502
-                log.warning("auto-resume of %s failed: %s", sandbox_id, exc)
+                log.warning("auto-resume of %s failed: %s", rec.id, exc)
 
     async def websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
@@ -324,27 +349,13 @@ class SandboxProxy:
             nonlocal started
             client = await self._http_client(sandbox_id, port)
             resp = None
-            attempts, forwarded = self.dial_attempts, False
-            while attempts:
+
+            async def attempt() -> httpx.Response:
                 req = httpx.Request(scope["method"], url, headers=fwd, extensions={"timeout": _TIMEOUTS, TARGET: target},
                                     content=request_body() if has_body else None)
-                try:
-                    resp = await client.send(req, stream=True)
-                    break
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    if self.running(sandbox_id) is False:
-                        raise not_found(sandbox_id) from None
-                    if (not forwarded and isinstance(exc, httpx.ConnectError)
-                            and await self.forward_loopback(sandbox_id, port)):
-                        forwarded = True
-                        continue  # a loopback-only service: dial again now, through the guest's forward
-                    attempts -= 1
-                    if attempts:
-                        await asyncio.sleep(self.dial_delay_s)
-                        if self.running(sandbox_id) is False:  # killed or paused meanwhile: its
-                            raise not_found(sandbox_id) from None  # client may be closed by now
-            if resp is None:
-                raise port_closed(sandbox_id, port)
+                return await client.send(req, stream=True)
+
+            resp = await self.dial(attempt, sandbox_id, port, refused=httpx.ConnectError, timed_out=(httpx.ConnectTimeout,))
             # The guest may answer before it read the whole body (httpcore then stops sending it):
             # from here on only the client's disconnect is awaited (client_gone).
             body_done.set()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -73,7 +72,8 @@ async def forward(proxy: SandboxProxy, scope: Scope, receive: Receive, send: Sen
                            compression=None, proxy=None, host=addr, port=port)
 
     try:
-        up = await _dial_retrying(proxy, dial, sandbox_id, port)
+        # (A port that stays closed, or a sandbox that stops, is refused by the proxy's dial.)
+        up = await proxy.dial(dial, sandbox_id, port, refused=ConnectionRefusedError)
     except (OSError, InvalidHandshake, TimeoutError) as exc:
         if isinstance(exc, InvalidStatus):
             status = exc.response.status_code
@@ -159,21 +159,3 @@ def _url_with_host(host: bytes | None, target: str) -> str | None:
         return None
     return url
 
-
-async def _dial_retrying(proxy: SandboxProxy, dial: Callable[[], Awaitable[ClientConnection]],
-                         sandbox_id: str, port: int) -> ClientConnection:
-    """Dial as the HTTP path does: a refused port is dialled again (a server may be starting),
-    ``dial_attempts`` times ``dial_delay_s`` apart, once at once through the guest agent's
-    forward if the service listens on the guest's loopback only."""
-    attempts, forwarded = proxy.dial_attempts, False
-    while True:
-        try:
-            return await dial()
-        except ConnectionRefusedError:
-            if not forwarded and await proxy.forward_loopback(sandbox_id, port):
-                forwarded = True
-                continue
-            attempts -= 1
-            if attempts <= 0 or not proxy.running(sandbox_id):
-                raise
-            await asyncio.sleep(proxy.dial_delay_s)
