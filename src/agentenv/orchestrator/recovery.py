@@ -106,7 +106,7 @@ async def recover(orch: Orchestrator) -> None:
         live.envd = EnvdClient.for_guest(live.slot.guest_url, rec.access_token)
         if rec.state != State.RUNNING:
             await _settle(orch, live)
-        elif not await _runs(orch, live):
+        elif not await _runs(orch, live, "its VM could not be continued when the server restarted"):
             continue
         try:  # the record's egress rules, whatever a change cut short left in the namespace
             await orch._apply_egress(live)
@@ -143,17 +143,17 @@ async def recover(orch: Orchestrator) -> None:
         log.info("removed %d orphaned network namespaces", len(removed))
 
 
-async def _runs(orch: Orchestrator, live: LiveSandbox) -> bool:
-    """A running sandbox's VM runs: one stopped for an operation that a stop or crash cut
-    short before it continued the VM again (a pause's capture) is continued; its guest would
-    otherwise never answer while the sandbox is listed running. False: it failed."""
+async def _runs(orch: Orchestrator, live: LiveSandbox, why: str) -> bool:
+    """Its VM runs: one stopped for an operation that a stop or crash cut short before it
+    continued the VM again (a pause's capture) is continued; its guest would otherwise never
+    answer. False: it could not be, and the sandbox failed (``why``)."""
     assert live.machine is not None
     try:
         if await live.machine.status() in ("paused", "postmigrate"):
-            log.warning("sandbox %s: its VM was left stopped; continuing it", live.id)
+            log.warning("sandbox %s: its VM is stopped; continuing it", live.id)
             await live.machine.qmp("cont")
     except VmmError as exc:
-        await orch._fail(live, f"its VM could not be continued when the server restarted: {exc}")
+        await orch._fail(live, f"{why}: {exc}")
         return False
     return True
 
@@ -162,12 +162,13 @@ async def _settle(orch: Orchestrator, live: LiveSandbox) -> None:
     """A live QEMU whose sandbox was mid-operation: make it run, record its real disk top."""
     assert live.machine is not None
     rec = live.record
+    why = f"could not continue after an interrupted {rec.state.value}"
+    if not await _runs(orch, live, why):
+        return
     try:
-        if await live.machine.status() in ("paused", "postmigrate"):
-            await live.machine.qmp("cont")
         top = await live.machine.disk_top()
     except VmmError as exc:
-        await orch._fail(live, f"could not continue after an interrupted {rec.state.value}: {exc}")
+        await orch._fail(live, f"{why}: {exc}")
         return
     # The machine too: it was adopted with the record's top, which a snapshot cut short after
     # its seal has left behind (removed); the gc's pins and the next checkpoint read the spec.
