@@ -328,6 +328,31 @@ def test_ctrl_c_while_a_sandbox_is_created_removes_it(aenv, stub):
     assert stub.calls("DELETE", "/sandboxes/sb7") and "sandbox sb7 killed" in res.stderr
 
 
+def test_ctrl_c_while_a_sandbox_is_forked_removes_its_children(aenv, stub):
+    """As for `aenv start`: the fork carries an Idempotency-Key, and on Ctrl-C aenv asks again
+    with it and kills the children the server made (a child that failed has nothing to kill)."""
+    first = threading.Event()
+    children = [{"sandbox": {"sandboxID": "k1"}}, {"error": {"code": 507, "message": "full"}},
+                {"sandbox": {"sandboxID": "k3"}}]
+
+    def fork(rec):
+        if not first.is_set():
+            first.set()
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+            time.sleep(1.0)
+        return Answer(201, json.dumps(children).encode())
+
+    stub.on("POST", "/sandboxes/sb1/fork", fork)
+    stub.on("DELETE", "/sandboxes/k1", Answer(204))
+    stub.on("DELETE", "/sandboxes/k3", Answer(204))
+    res = aenv("--url", stub.url, "fork", "sb1", "-n", "3")
+    assert res.exit_code == 130, res.output
+    forks = stub.calls("POST", "/sandboxes/sb1/fork")
+    assert len(forks) == 2 and forks[0].headers["Idempotency-Key"] == forks[1].headers["Idempotency-Key"]
+    assert stub.calls("DELETE", "/sandboxes/k1") and stub.calls("DELETE", "/sandboxes/k3")
+    assert "sandbox k1 killed" in res.stderr and "sandbox k3 killed" in res.stderr
+
+
 def test_start_detached_prints_the_id(aenv, stub):
     stub.on("POST", "/sandboxes", {"templateID": "py", "sandboxID": "sb9"}, status=201)
     res = aenv("--url", stub.url, "start", "py", "-d", "--timeout", "60", "--cpu", "2", "--memory", "1024",

@@ -165,6 +165,32 @@ def test_fork_count_is_validated(api: httpx.Client, sandbox: str) -> None:
     assert api.post("/sandboxes/inope/fork", json={"count": 1}).status_code == 404
 
 
+def test_a_fork_retried_with_an_idempotency_key_makes_its_children_once(api: httpx.Client) -> None:
+    """A trainer (or `aenv fork` on Ctrl-C) that lost a fork's answer asks again with the same
+    key: it gets the children the first request made, concurrently or later, never new ones."""
+    key = f"fork-{time.time_ns()}"
+    sandbox = api.post("/sandboxes", json={"templateID": "base", "metadata": {"k": key}}).json()["sandboxID"]
+    with ThreadPoolExecutor(2) as ex:
+        answers = list(ex.map(lambda _: api.post(f"/sandboxes/{sandbox}/fork", json={"count": 2},
+                                                 headers={"Idempotency-Key": key}), range(2)))
+    assert [r.status_code for r in answers] == [201, 201], [r.text for r in answers]
+    kids = [sorted(x["sandbox"]["sandboxID"] for x in r.json()) for r in answers]
+    try:
+        assert kids[0] == kids[1] and len(kids[0]) == 2
+        assert sorted(r.headers.get("idempotent-replayed", "") for r in answers) == ["", "true"]
+        mine = {s["sandboxID"] for s in api.get("/sandboxes", params={"metadata": f"k={key}"}).json()} - {sandbox}
+        assert mine == set(kids[0]), "a retried fork must not make more children"
+        r = api.post(f"/sandboxes/{sandbox}/fork", json={"count": 3}, headers={"Idempotency-Key": key})
+        assert r.status_code == 422 and "different fork request" in r.json()["message"]
+        assert api.delete(f"/sandboxes/{kids[0][0]}").status_code == 204
+        r = api.post(f"/sandboxes/{sandbox}/fork", json={"count": 2}, headers={"Idempotency-Key": key})
+        assert r.status_code == 201 and r.headers["idempotent-replayed"] == "true"
+        assert [x["sandbox"]["sandboxID"] for x in r.json()] == [kids[0][1]]  # the children still alive
+    finally:
+        for k in [*kids[0], sandbox]:
+            api.delete(f"/sandboxes/{k}")
+
+
 def test_named_snapshot_starts_new_sandboxes_and_outlives_its_source(api: httpx.Client,
                                                                     server: ServerProcess) -> None:
     sid = api.post("/sandboxes", json={"templateID": "base", "metadata": {"team": "rl"}}).json()["sandboxID"]

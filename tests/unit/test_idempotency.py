@@ -65,3 +65,29 @@ async def test_a_failed_first_attempt_lets_the_retry_create() -> None:
                                          return_exceptions=True)
     assert isinstance(first, RuntimeError)
     assert second == (records[0], False) and calls == 2
+
+
+async def test_a_retried_fork_gets_the_children_still_alive_and_a_create_may_not_reuse_its_key() -> None:
+    records: list[SandboxRecord] = []
+    once = CreateOnce(lambda: records)
+    forks = 0
+
+    async def make(option: dict[str, str]) -> list[SandboxRecord]:
+        nonlocal forks
+        forks += 1
+        await asyncio.sleep(0.05)  # a fork takes a while; the retry arrives meanwhile
+        kids = [_record(f"c{forks}-{i}", {OPTION: option}) for i in range(3)]
+        records.extend(kids)
+        return kids
+
+    (first_found, first_made), (again_found, again_made) = await asyncio.gather(
+        once.fork("f", "fp", make), once.fork("f", "fp", make))
+    assert forks == 1 and first_found == [] and again_made is None
+    assert first_made == again_found == records
+    records[1] = records[1].with_(state=State.KILLING)
+    found, made = await once.fork("f", "fp", make)
+    assert made is None and [r.id for r in found] == ["c1-0", "c1-2"]
+    with pytest.raises(IdempotencyKeyReused, match="different create request"):
+        await once.create("f", "a create's fingerprint", make)  # type: ignore[arg-type]
+    with pytest.raises(IdempotencyKeyReused, match="different fork request"):
+        await once.fork("f", "count 4", make)

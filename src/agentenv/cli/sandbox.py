@@ -92,23 +92,37 @@ def start(
 
 
 def create_or_undo(client: ApiClient, body: dict[str, Any]) -> dict[str, Any]:
-    """Create a sandbox; Ctrl-C while it is being made (minutes under TCG) removes it. The
-    server goes on with a create whose client went, so the request carries an Idempotency-Key:
-    asked again with it, the server answers with that sandbox once made, and it is killed."""
-    template = body["templateID"]
-    headers = {"Idempotency-Key": f"aenv-start-{uuid.uuid4().hex}"}
+    """Create a sandbox; Ctrl-C while it is being made (minutes under TCG) removes it."""
+    made = made_or_undone(client, "/sandboxes", body, f"Starting a sandbox from template '{body['templateID']}'…",
+                          lambda sandbox: [sandbox["sandboxID"]])
+    assert isinstance(made, dict)
+    return made
+
+
+def made_or_undone(client: ApiClient, path: str, body: dict[str, Any], doing: str,
+                   ids: Callable[[Any], list[str]]) -> Any:
+    """POST a create or fork; Ctrl-C meanwhile kills what it makes. The server goes on with a
+    request whose client went, so it carries an Idempotency-Key: asked again with it, the
+    server answers with what the first request made once it is made (``ids`` finds the
+    sandboxes in that answer), and they are killed."""
+    headers = {"Idempotency-Key": f"aenv-{uuid.uuid4().hex}"}
     try:
-        with status(f"Starting a sandbox from template '{template}'…"):
-            return client.call("POST", "/sandboxes", json=body, headers=headers, timeout=CREATE_TIMEOUT)
+        with status(doing):
+            return client.call("POST", path, json=body, headers=headers, timeout=CREATE_TIMEOUT)
     except KeyboardInterrupt:
         err = console(stderr=True)
-        err.print("interrupted: removing the sandbox being created…", markup=False)
+        err.print("interrupted: removing what was being made…", markup=False)
         try:
-            made = client.call("POST", "/sandboxes", json=body, headers=headers, timeout=CREATE_TIMEOUT)
-            client.call("DELETE", f"/sandboxes/{made['sandboxID']}")
-            err.print(f"sandbox {made['sandboxID']} killed", markup=False)
-        except CliError as exc:  # (its create failed: nothing to remove)
+            made = client.call("POST", path, json=body, headers=headers, timeout=CREATE_TIMEOUT)
+        except CliError as exc:  # (it failed: nothing to remove)
             err.print(f"nothing to remove: {exc}", markup=False)
+            raise typer.Exit(130) from None
+        for sid in ids(made):
+            try:
+                client.call("DELETE", f"/sandboxes/{sid}")
+                err.print(f"sandbox {sid} killed", markup=False)
+            except CliError as exc:
+                err.print(f"sandbox {sid} not killed: {exc}", markup=False)
         raise typer.Exit(130) from None
 
 

@@ -24,7 +24,7 @@ from agentenv.cli.output import (
     render,
     status,
 )
-from agentenv.cli.sandbox import CREATE_TIMEOUT
+from agentenv.cli.sandbox import CREATE_TIMEOUT, made_or_undone
 
 SandboxId = Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.", show_default=False)]
 
@@ -98,8 +98,9 @@ def fork(
     if timeout is not None:
         body["timeout"] = timeout
     with client_for(ctx) as client:
-        with status(f"Forking sandbox {sandbox_id} ({count} {'copy' if count == 1 else 'copies'})…"):
-            items = client.call("POST", f"/sandboxes/{sandbox_id}/fork", json=body, timeout=CREATE_TIMEOUT)
+        items = made_or_undone(client, f"/sandboxes/{sandbox_id}/fork", body,
+                               f"Forking sandbox {sandbox_id} ({count} {'copy' if count == 1 else 'copies'})…",
+                               lambda items: [item["sandbox"]["sandboxID"] for item in items if "sandbox" in item])
     rows = [{"child": i, **item} for i, item in enumerate(items, 1)]
     render(choose_format(ctx, output), rows, FORK_COLUMNS, empty="no copies", json_data=items)
     failed = sum(1 for item in items if "sandbox" not in item)

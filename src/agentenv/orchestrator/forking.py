@@ -225,11 +225,14 @@ async def _discard(orch: Orchestrator, started: Started, run_dir: Path, sandbox_
     await undo.unwind()
 
 
-def _child_options(options: dict[str, Any]) -> dict[str, Any]:
+def _child_options(options: dict[str, Any], idempotency: dict[str, str] | None) -> dict[str, Any]:
     """A child keeps the source's network policy and lifecycle options; a private sandbox's
-    traffic token is its own, and the create's Idempotency-Key stays with the source."""
+    traffic token is its own, and the create's Idempotency-Key stays with the source: a child
+    records the fork's key, if it has one."""
     out = dict(options)
     out.pop(IDEMPOTENCY, None)
+    if idempotency:
+        out[IDEMPOTENCY] = idempotency
     if "trafficAccessToken" in out:
         out["trafficAccessToken"] = new_access_token()
     return out
@@ -343,8 +346,8 @@ async def snapshot(orch: Orchestrator, sandbox_id: str, name: str | None, memory
     return cp
 
 
-async def fork(orch: Orchestrator, sandbox_id: str, count: int,
-               timeout_s: int | None) -> list[SandboxRecord | Exception]:
+async def fork(orch: Orchestrator, sandbox_id: str, count: int, timeout_s: int | None,
+               idempotency: dict[str, str] | None = None) -> list[SandboxRecord | Exception]:
     limit = orch.settings.max_fork
     if not 1 <= count <= limit:
         raise InvalidRequest(f"count must be between 1 and {limit}, got {count}")
@@ -363,9 +366,10 @@ async def fork(orch: Orchestrator, sandbox_id: str, count: int,
                 mem_file = None
                 if count >= MATERIALIZE_FROM:
                     mem_file = await orch.checkpoints.materialize(cp, fork_mem)
+                options = _child_options(src.options, idempotency)
                 results = await asyncio.gather(
                     *(_new_sandbox(orch, cp, template=src.template, env_vars={}, metadata=src.metadata,
-                                   timeout_s=timeout, options=_child_options(src.options), mem_file=mem_file)
+                                   timeout_s=timeout, options=options, mem_file=mem_file)
                       for _ in range(count)),
                     return_exceptions=True)
         finally:

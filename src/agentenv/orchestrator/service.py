@@ -133,7 +133,7 @@ class Orchestrator:
         # Primed sandboxes of the snapshots sandboxes were recently started from (a GRPO reset)
         self.snapshot_shells = SnapshotShells(self, settings.snapshot_pool_size, settings.snapshot_pool_idle_s,
                                               max_size=settings.snapshot_pool_max)
-        self.creates = CreateOnce(self.list)  # creates under an Idempotency-Key
+        self.creates = CreateOnce(self.list)  # creates and forks under an Idempotency-Key
         self.repo = SnapshotRepository(settings.repository, spare_bytes=settings.spare_layers_mb << 20)
         self.checkpoints = Checkpointer(
             self.repo, catalog=self.catalog, sock_dir=settings.sock_dir, accel=self.accel, tb_size_mb=settings.tcg_tb_size_mb,
@@ -847,11 +847,12 @@ class Orchestrator:
 
         return await snapshot(self, sandbox_id, name, memory)
 
-    async def fork(self, sandbox_id: str, count: int = 1,
-                   timeout_s: int | None = None) -> list[SandboxRecord | Exception]:
+    async def fork(self, sandbox_id: str, count: int = 1, timeout_s: int | None = None,
+                   idempotency: dict[str, str] | None = None) -> list[SandboxRecord | Exception]:
+        """``idempotency``: the option each child records (a fork under an Idempotency-Key)."""
         from agentenv.orchestrator.forking import fork
 
-        return await fork(self, sandbox_id, count, timeout_s)
+        return await fork(self, sandbox_id, count, timeout_s, idempotency)
 
     def list_snapshots(self, sandbox_id: str | None = None) -> list[Checkpoint]:
         return [c for c in self.repo.list("snapshot") if sandbox_id is None or c.source_sandbox == sandbox_id]

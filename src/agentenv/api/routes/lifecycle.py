@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,6 +14,7 @@ from agentenv.api.errors import status_of
 from agentenv.api.models import Sandbox
 from agentenv.api.routes import optional_body, orch_of
 from agentenv.errors import AgentenvError
+from agentenv.orchestrator import SandboxRecord
 from agentenv.storage import Checkpoint
 
 router = APIRouter()
@@ -127,9 +131,25 @@ async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
 async def fork(sandbox_id: str, request: Request) -> JSONResponse:
-    """201 with one item per child: ``{"sandbox": …}`` or ``{"error": {code, message}}``."""
+    """201 with one item per child: ``{"sandbox": …}`` or ``{"error": {code, message}}``. With
+    an ``Idempotency-Key`` header a retry gets the children the first request made that are
+    still alive (``Idempotent-Replayed: true``), as a create does (orchestrator/idempotency.py)."""
+    orch = orch_of(request)
     body = await optional_body(request, ForkRequest)
-    results = await orch_of(request).fork(sandbox_id, body.count, body.timeout)
+
+    async def make(idempotency: dict[str, str] | None = None) -> list[SandboxRecord | Exception]:
+        return await orch.fork(sandbox_id, body.count, body.timeout, idempotency)
+
+    headers: dict[str, str] = {}
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        results = await make()
+    else:
+        asked = json.dumps({"fork": sandbox_id, **body.model_dump(mode="json", exclude_unset=True)}, sort_keys=True)
+        replayed, made = await orch.creates.fork(key, hashlib.sha256(asked.encode()).hexdigest(), make)
+        results = made if made is not None else sorted(replayed, key=lambda rec: (rec.started_at, rec.id))
+        if made is None:
+            headers["Idempotent-Replayed"] = "true"
     items: list[dict[str, object]] = []
     for r in results:
         if isinstance(r, Exception):
@@ -137,5 +157,5 @@ async def fork(sandbox_id: str, request: Request) -> JSONResponse:
             message = r.message if isinstance(r, AgentenvError) else repr(r)
             items.append({"error": {"code": status, "message": message}})
         else:
-            items.append({"sandbox": Sandbox.of(r, orch_of(request).settings.domain).model_dump(exclude_none=True)})
-    return JSONResponse(items, status_code=201)
+            items.append({"sandbox": Sandbox.of(r, orch.settings.domain).model_dump(exclude_none=True)})
+    return JSONResponse(items, status_code=201, headers=headers)
