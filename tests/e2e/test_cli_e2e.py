@@ -200,8 +200,8 @@ def test_cli_exec_passes_bytes_exactly_keeps_the_commands_options_and_ctrl_c_end
         server: ServerProcess, api: httpx.Client, sandbox: str, tmp_path: Path) -> None:
     """Output that is not UTF-8 (a binary file) or a character split across two writes comes
     out byte for byte (each chunk was decoded alone, with U+FFFD for what did not decode); the
-    command's own -e stays its own; Ctrl-C on aenv exec ends the command in the sandbox too
-    (it ran on)."""
+    command's own -e stays its own; a command that cannot start exits as in a shell; Ctrl-C
+    on aenv exec ends the command in the sandbox too (it ran on)."""
     env = {**os.environ, "AENV_URL": server.url, "AENV_API_KEY": server.api_key}
     sid = sandbox
     blob = os.urandom(200_000)
@@ -216,6 +216,15 @@ def test_cli_exec_passes_bytes_exactly_keeps_the_commands_options_and_ctrl_c_end
     r = subprocess.run([*AENV, "exec", sid, "grep", "-e", "root", "/etc/passwd"], capture_output=True, env=env,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.startswith(b"root:")
+    # A program that is not there (127) or may not be run (126) fails to start, as in a shell;
+    # over plain HTTP that is a 400 naming it.
+    r = subprocess.run([*AENV, "exec", sid, "/nonexistent/tool", "x"], capture_output=True, env=env, timeout=120)
+    assert r.returncode == 127 and b"No such file or directory" in r.stderr, r
+    run(api, sid, "echo 'echo ran' > /tmp/plain; chmod 644 /tmp/plain")
+    r = subprocess.run([*AENV, "exec", sid, "/tmp/plain", "x"], capture_output=True, env=env, timeout=120)
+    assert r.returncode == 126 and b"Permission denied" in r.stderr, r
+    answer = api.post(f"/sandboxes/{sid}/exec", json={"cmd": ["/nonexistent/tool"]})
+    assert answer.status_code == 400 and "/nonexistent/tool" in answer.json()["message"], answer.text
     p = subprocess.Popen([*AENV, "exec", sid, "--", "sh", "-c", "sleep 4; touch /tmp/ctrl-c-marker"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     time.sleep(2.0)

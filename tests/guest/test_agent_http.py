@@ -275,6 +275,30 @@ async def test_a_command_not_on_path_fails_to_start(client: EnvdClient, tmp_path
     assert (await client.run(["aenv-test-tool"], envs=envs)).stdout == b"back\n"
 
 
+async def test_a_command_that_cannot_be_executed_fails_to_start_as_envds_does(client: EnvdClient,
+                                                                             tmp_path: Path) -> None:
+    """A program that does not exist or may not be executed fails the Start call with
+    invalid_argument, as envd's (Go's os/exec) does, instead of a process that exits 127; a
+    script without a shebang runs through /bin/sh, however many arguments it is given (its
+    argument vector is copied onto the spawn's own stack)."""
+    with pytest.raises(EnvdError, match="No such file or directory") as missing:
+        await client.run(["/nonexistent/aenv-tool"])
+    assert missing.value.code == "invalid_argument"
+    plain = tmp_path / "not-executable"
+    plain.write_text("echo should not run\n")
+    plain.chmod(0o644)
+    with pytest.raises(EnvdError, match="Permission denied") as denied:
+        await client.run([str(plain)])
+    assert denied.value.code == "invalid_argument"
+    script = tmp_path / "no-shebang"
+    script.write_text('echo "$# $1 ${100000}"\n')
+    script.chmod(0o755)
+    many = [f"a{i}" for i in range(1, 100_001)]
+    result = await client.run([str(script), *many], timeout=120)
+    assert (result.exit_code, result.stdout) == (0, b"100000 a1 a100000\n"), result
+    assert (await client.run(["/bin/echo", "still", "serving"])).stdout == b"still serving\n"
+
+
 def test_finished_processes_expire_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """The finished-process registry forgets those past FINISHED_TTL, in the order they ended,
     and keeps the rest (imported as the guest imports it: the agent's directory on sys.path)."""

@@ -26,6 +26,18 @@ class CliError(Exception):
 class CommandTimedOut(CliError):
     """A remote command was killed at its --timeout (`aenv exec` exits 124, as timeout(1))."""
 
+    exit_code = 124
+
+
+class CommandNotStarted(CliError):
+    """The sandbox's agent could not start the command: `aenv exec` exits 127 when there is no
+    such program and 126 when it cannot be run, as shells and `docker run` do. (The agent
+    answers both with envd's invalid_argument; its message tells them apart.)"""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = 127 if ("no such executable" in message or "cannot run: No such file" in message) else 126
+
 
 @dataclass
 class Globals:

@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperCommand, TyperOption
 
 from agentenv.cli.client import EXEC_TIMEOUT, ApiClient, client_for
-from agentenv.cli.context import CliError, CommandTimedOut
+from agentenv.cli.context import CliError, CommandNotStarted, CommandTimedOut
 from agentenv.cli.exitstatus import exit_status
 from agentenv.cli.params import parse_pairs
 from agentenv.cli.terminal import run_piped
@@ -77,9 +77,9 @@ def _option_consumes_next(arg: str, ours: set[str], takes_value: set[str]) -> in
 
 
 # Exit statuses of `aenv exec` that are not the command's, so that a script can tell them
-# apart from its codes: as timeout(1) for a command killed at --timeout, as `docker run` for
-# aenv's own failures (sandbox not found, server unreachable, the stream lost).
-EXIT_TIMED_OUT = 124
+# apart from its codes: as timeout(1) for a command killed at --timeout (CommandTimedOut:
+# 124), as `docker run` for aenv's own failures (sandbox not found, server unreachable, the
+# stream lost) and for a command that could not be started (CommandNotStarted: 126, 127).
 EXIT_AENV_FAILED = 125
 
 
@@ -120,6 +120,8 @@ def stream_exec(client: ApiClient, sandbox_id: str, cmd: str | list[str], *, env
                 message = str(event.get("message") or "the command failed")
                 if event.get("code") == "deadline_exceeded":
                     raise CommandTimedOut(f"the command ran longer than its timeout and was killed ({message})")
+                if event.get("code") == "invalid_argument":
+                    raise CommandNotStarted(message)
                 raise CliError(message)
     raise CliError("the server closed the output stream before the command ended")
 
@@ -163,7 +165,8 @@ def exec_command(
                                                               "stdin is empty.")] = False,
 ) -> None:
     """Run a command in a sandbox: `aenv exec ID -- CMD...`; exits with the command's code
-    (128+N if signal N killed it), 124 if --timeout killed it, 125 if aenv itself failed."""
+    (128+N if signal N killed it), 124 if --timeout killed it, 125 if aenv itself failed, 126
+    if the command could not be run, 127 if there is no such command."""
     envs = parse_pairs(env, "--env")
     command: str | list[str] = cmd[0] if len(cmd) == 1 else list(cmd)
     try:
@@ -181,5 +184,6 @@ def exec_command(
             raise
         message = exc.message if isinstance(exc, AgentenvError) else str(exc)
         sys.stderr.write(f"error: {message}\n")
-        raise typer.Exit(EXIT_TIMED_OUT if isinstance(exc, CommandTimedOut) else EXIT_AENV_FAILED) from None
+        raise typer.Exit(exc.exit_code if isinstance(exc, (CommandTimedOut, CommandNotStarted))
+                         else EXIT_AENV_FAILED) from None
     raise typer.Exit(code)

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, suppress
 from typing import Any
 
-from agentenv.cli.context import CliError, CommandTimedOut
+from agentenv.cli.context import CliError, CommandNotStarted, CommandTimedOut
 from agentenv.cli.exitstatus import exit_status, signal_number
 from agentenv.envd_client import EnvdClient, EnvdError, EnvdUnavailable
 
@@ -75,6 +75,8 @@ def run_piped(server_url: str, sandbox: dict[str, Any], cmd: str | list[str], *,
     except EnvdError as exc:
         if exc.code == "deadline_exceeded":
             raise CommandTimedOut(f"the command ran longer than its timeout ({timeout:g} s) and was killed") from None
+        if exc.code == "invalid_argument":
+            raise CommandNotStarted(exc.message) from None
         raise CliError(f"command in sandbox {sandbox['sandboxID']}: {exc.message or exc.code}") from None
 
 

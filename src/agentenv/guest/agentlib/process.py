@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import fcntl
 import os
 import pty
@@ -39,6 +40,7 @@ from .common import (
     spawner,
 )
 from .fsutil import chown_to
+from .spawn import SpawnFailed
 
 STDIN_BUFFER = 256 * 1024  # StreamInput waits while more than this is queued for the process
 EXIT_DRAIN_MAX = 10.0  # after an exit, how long the end waits for a slow client to catch up
@@ -524,7 +526,7 @@ class ProcessManager:
         if switch and os.geteuid() != 0:
             raise ConnectError("permission_denied", "the agent is not root and cannot switch users")
         if "/" not in cmd and not on_path(cmd, env["PATH"]):
-            raise ConnectError("internal", f"error starting process '{cmd}': no such executable")
+            raise ConnectError("invalid_argument", f"error starting process '{cmd}': no such executable")
         pty_size = None
         if isinstance(pty_cfg, dict):
             size = pty_cfg.get("size") or {}
@@ -539,7 +541,8 @@ class ProcessManager:
                 preopen=is_tool(cmd))  # a tools-drive program (fallback shell): not in the user's view
         except OSError as exc:
             stdio.close_all()
-            raise ConnectError("internal", f"error starting process '{cmd}': {exc}") from None
+            step = f"{exc.step}: " if isinstance(exc, SpawnFailed) else ""
+            raise ConnectError(start_error_code(exc), f"error starting process '{cmd}': {step}{exc.strerror}") from None
         except BaseException:
             stdio.close_all()
             raise
@@ -677,6 +680,15 @@ class ProcessManager:
         if size:
             proc.resize(*pty_dimensions(size))
         return {}
+
+
+# Start failures a retry may get past (process, descriptor, memory or terminal limits): the
+# code clients' retry policies key on, as envd answers. Any other is the request's fault.
+RETRYABLE_START_ERRORS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
+
+
+def start_error_code(exc: OSError) -> str:
+    return "resource_exhausted" if exc.errno in RETRYABLE_START_ERRORS else "invalid_argument"
 
 
 def pty_dimensions(size: Any) -> tuple[int, int]:

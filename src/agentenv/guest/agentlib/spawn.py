@@ -31,7 +31,18 @@ class _Request(ctypes.Structure):
         ("gid", ctypes.c_uint),
         ("ngroups", ctypes.c_int),
         ("groups", ctypes.POINTER(ctypes.c_uint)),
+        ("err", ctypes.c_int),
+        ("what", ctypes.c_char_p),
     ]
+
+
+class SpawnFailed(OSError):
+    """The child could not exec the command (no such program, permission denied, a working
+    directory it cannot enter): ``step`` says which step failed."""
+
+    def __init__(self, errno: int, step: str) -> None:
+        super().__init__(errno, os.strerror(errno))
+        self.step = step
 
 
 def _strings(items: Sequence[bytes]) -> ctypes.Array:
@@ -51,9 +62,8 @@ class Spawner:
               stdio: tuple[int, int, int], user: tuple[int, int, Sequence[int]] | None = None,
               ctty: bool = False, preopen: bool = False) -> int:
         """Start ``cmd`` with ``args`` (argv[0] is ``cmd``) and exactly ``env``; the child's pid.
-        ``user``: (uid, gid, groups) to switch to. Raises OSError when no process could be made;
-        failures after that (no such program, a bad cwd) are the child's: a message on its
-        stderr and exit status 127."""
+        ``user``: (uid, gid, groups) to switch to. Raises SpawnFailed when the child could not
+        exec the command, OSError when no process could be made."""
         argv = _strings([os.fsencode(a) for a in (cmd, *args)])
         envp = _strings([os.fsencode(f"{k}={v}") for k, v in env.items()])
         req = _Request(file=os.fsencode(cmd), argv=argv, envp=envp, path=os.fsencode(env.get("PATH", "")),
@@ -64,6 +74,8 @@ class Spawner:
             req.switch_user, req.uid, req.gid, req.ngroups = 1, uid, gid, len(groups)
             req.groups = (ctypes.c_uint * max(1, len(groups)))(*groups)
         pid = self._fn(ctypes.byref(req))
+        if pid < 0 and req.what:
+            raise SpawnFailed(-pid, req.what.decode())
         if pid < 0:
             raise OSError(-pid, os.strerror(-pid))
         return pid
