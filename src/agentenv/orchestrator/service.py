@@ -46,6 +46,7 @@ from agentenv.network import (
 from agentenv.orchestrator import leftovers, parking, pulling
 from agentenv.orchestrator.capacity import below_reserve, memory_shortfall
 from agentenv.orchestrator.checkpoints import Checkpointer
+from agentenv.orchestrator.coalesce import Coalesced
 from agentenv.orchestrator.idempotency import CreateOnce
 from agentenv.orchestrator.lifecycle import ACTIVE, GUEST_UP, State, allowed
 from agentenv.orchestrator.metrics import GuestMetrics
@@ -146,6 +147,7 @@ class Orchestrator:
         self._owned: list[int] = []  # locks on the data dir and the repository (storage/ownership.py)
         self._tasks: list[asyncio.Task[None]] = []
         self._cleanups: set[asyncio.Task[object]] = set()  # see _in_background
+        self._gc_requests = Coalesced(self.gc, lambda work: self._in_background(work, "gc"))
         self.guest_metrics = GuestMetrics()
         self.reaper = Reaper(self)
         self._admitting = 0  # VMs admitted and starting, not yet in _live (see admitted())
@@ -940,9 +942,11 @@ class Orchestrator:
         return removed
 
     def schedule_gc(self) -> None:
-        self._in_background(self.gc(), "gc")
+        """A gc after the caller has its answer; the requests made while one runs share one
+        more run (orchestrator/coalesce.py)."""
+        self._gc_requests.request()
 
-    def _in_background(self, work: Coroutine[Any, Any, object], what: str) -> None:
+    def _in_background(self, work: Coroutine[Any, Any, object], what: str) -> asyncio.Task[object]:
         """Run host clean-up after the caller has its answer. The task is kept (the loop holds
         only a weak reference) and ``stop`` waits for it; a failure is logged."""
         task = asyncio.get_running_loop().create_task(work)
@@ -954,6 +958,7 @@ class Orchestrator:
                 log.error("%s failed: %r", what, t.exception())
 
         task.add_done_callback(done)
+        return task
 
     # -- E2B surface: egress policy, refresh, proxy routes, metrics -----------------------
 
