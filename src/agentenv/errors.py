@@ -69,6 +69,17 @@ class SandboxNotFound(NotFound):
         self.sandbox_id = sandbox_id
 
 
+class SandboxFailed(SandboxNotFound):
+    """A sandbox that failed (its VM died, its guest stopped answering) is gone for every
+    operation on it, as E2B answers for one that died: a 404 whose message says why. Its
+    record is kept for a while, for `GET` (410 with the reason) and listings to show."""
+
+    def __init__(self, sandbox_id: str, reason: str | None) -> None:
+        NotFound.__init__(self, f"sandbox '{sandbox_id}' failed: {reason or 'unknown reason'}; "
+                                f"DELETE it to clear its record")
+        self.sandbox_id = sandbox_id
+
+
 class TemplateNotFound(NotFound):
     def __init__(self, template_id: str) -> None:
         super().__init__(

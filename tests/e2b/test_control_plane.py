@@ -260,7 +260,9 @@ def test_api_key_is_required_with_e2b_body(e2b_server: ServerProcess) -> None:
 
 def test_a_failed_sandbox_is_an_error_the_sdk_raises_not_one_it_cannot_parse(sdk: SDK, api: httpx.Client) -> None:
     """A sandbox whose QEMU died: the SDKs know only running and paused, so list leaves it out
-    and get_info raises with the reason (410); kill clears the record."""
+    and get_info raises with the reason (410). Pause and connect raise SandboxNotFoundException
+    (404, as E2B answers for a sandbox that died; a 409 made pause return False, "already
+    paused", and connect raise a generic error); kill clears the record."""
     sid = _create(api, timeout=120, metadata={"t": "failed"})["sandboxID"]
     (pid,) = host.qemu_pids(sid)
     os.kill(pid, signal.SIGKILL)
@@ -276,10 +278,16 @@ def test_a_failed_sandbox_is_an_error_the_sdk_raises_not_one_it_cannot_parse(sdk
             Sandbox.get_info("{sid}")
         except Exception as e:
             o["raised"] = [type(e).__name__, str(e)]
+        for name, call in (("pause", lambda: Sandbox.pause("{sid}")), ("connect", lambda: Sandbox.connect("{sid}"))):
+            try:
+                o[name] = call()
+            except Exception as e:
+                o[name] = type(e).__name__
         o["killed"] = Sandbox.kill("{sid}")
         print(json.dumps(o))
     """)
     assert out["listed"] == []
     assert out["raised"][0] == "SandboxException" and "QEMU exited" in out["raised"][1], out
+    assert out["pause"] == out["connect"] == "SandboxNotFoundException", out
     assert out["killed"] is True
     assert api.get(f"/sandboxes/{sid}").status_code == 404

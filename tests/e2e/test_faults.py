@@ -40,8 +40,11 @@ def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: 
     # Slots are named by index and the slot pool may already have made a new one under the
     # same name: what must be gone is this sandbox's namespace.
     assert ns not in host.netns_names() or os.stat(f"/run/netns/{ns}").st_ino != ns_inode, "namespace not freed"
-    r = api.post(f"/sandboxes/{sid}/exec", json={"cmd": "true"})
-    assert r.status_code == 409 and "error" in r.json()["message"]
+    # Gone for every operation (404, as E2B answers for a sandbox that died), with the reason.
+    for path, body in ((f"/sandboxes/{sid}/exec", {"cmd": "true"}), (f"/sandboxes/{sid}/pause", None),
+                       (f"/sandboxes/{sid}/connect", {"timeout": 60}), (f"/sandboxes/{sid}/timeout", {"timeout": 60})):
+        r = api.post(path, json=body)
+        assert r.status_code == 404 and "QEMU exited" in r.json()["message"], (path, r.text)
     assert api.delete(f"/sandboxes/{sid}").status_code == 204
     assert api.get(f"/sandboxes/{sid}").status_code == 404
 

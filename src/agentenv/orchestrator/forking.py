@@ -30,7 +30,6 @@ from agentenv.errors import (
     GuestUnresponsive,
     InvalidRequest,
     PlatformError,
-    SandboxStateError,
     VmmError,
 )
 from agentenv.network import Slot, set_egress
@@ -38,7 +37,7 @@ from agentenv.orchestrator import parking
 from agentenv.orchestrator.cleanup import Cleanup
 from agentenv.orchestrator.idempotency import OPTION as IDEMPOTENCY
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
-from agentenv.orchestrator.lifecycle import State
+from agentenv.orchestrator.lifecycle import State, state_error
 from agentenv.orchestrator.sandbox import LiveSandbox
 from agentenv.orchestrator.store import SandboxRecord
 from agentenv.storage import Checkpoint, remove_tree
@@ -301,7 +300,7 @@ async def _checkpoint(orch: Orchestrator, live: LiveSandbox, state: State, kind:
     """One checkpoint of a running sandbox, disk sealed; the sandbox keeps running."""
     async with live.lock:
         if live.record.state != State.RUNNING or live.machine is None or live.envd is None:
-            raise SandboxStateError(live.id, live.record.state.value, "running")
+            raise state_error(live.id, live.record.state, "running", live.record.error)
         if not memory:
             await flush_guest(live.envd, live.id)
         await orch._transition(live, state)

@@ -21,6 +21,13 @@ from __future__ import annotations
 
 from enum import Enum
 
+from agentenv.errors import (
+    RequestError,
+    SandboxFailed,
+    SandboxNotFound,
+    SandboxStateError,
+)
+
 
 class State(str, Enum):
     CREATING = "creating"
@@ -69,3 +76,14 @@ def api_state(state: State) -> str:
     if state in (State.RUNNING, State.RESUMING, State.SNAPSHOTTING, State.FORKING):
         return "running"
     return state.value
+
+
+def state_error(sandbox_id: str, state: State, required: str, reason: str | None = None) -> RequestError:
+    """Why an operation cannot run on a sandbox in ``state``: one that failed or is being
+    killed is gone for the caller (404: the E2B SDKs raise SandboxNotFoundException for it,
+    and a pause's 409 would read as "already paused"); any other is a conflict (409)."""
+    if state == State.ERROR:
+        return SandboxFailed(sandbox_id, reason)
+    if state == State.KILLING:
+        return SandboxNotFound(sandbox_id)
+    return SandboxStateError(sandbox_id, state.value, required)

@@ -36,7 +36,7 @@ from agentenv.orchestrator.forking import (
     flush_guest,
     start_from_checkpoint,
 )
-from agentenv.orchestrator.lifecycle import State
+from agentenv.orchestrator.lifecycle import State, state_error
 
 if TYPE_CHECKING:
     from agentenv.network import Slot
@@ -63,7 +63,7 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
         if live.record.state == State.PAUSED:
             raise SandboxStateError(sandbox_id, "paused", "running")
         if live.record.state != State.RUNNING or live.machine is None or live.envd is None:
-            raise SandboxStateError(sandbox_id, live.record.state.value, "running")
+            raise state_error(sandbox_id, live.record.state, "running", live.record.error)
         t0 = time.perf_counter()
         if not memory:
             await flush_guest(live.envd, sandbox_id)
@@ -133,7 +133,7 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
     live = orch._require(sandbox_id, {State.PAUSED, State.RESUMING, State.RUNNING, State.PAUSING})
     async with live.lock:
         if live.record.state != State.PAUSED or live.record.paused is None:
-            raise SandboxStateError(sandbox_id, live.record.state.value, "paused")
+            raise state_error(sandbox_id, live.record.state, "paused", live.record.error)
         timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
         cp = live.record.paused
         orch.check_count()

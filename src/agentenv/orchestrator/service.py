@@ -48,7 +48,13 @@ from agentenv.orchestrator.capacity import below_reserve, memory_shortfall
 from agentenv.orchestrator.checkpoints import Checkpointer
 from agentenv.orchestrator.coalesce import Coalesced
 from agentenv.orchestrator.idempotency import CreateOnce
-from agentenv.orchestrator.lifecycle import ACTIVE, GUEST_UP, State, allowed
+from agentenv.orchestrator.lifecycle import (
+    ACTIVE,
+    GUEST_UP,
+    State,
+    allowed,
+    state_error,
+)
 from agentenv.orchestrator.metrics import GuestMetrics
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.reaper import Reaper
@@ -689,7 +695,7 @@ class Orchestrator:
             raise SandboxNotFound(sandbox_id)
         if live.record.state not in states:
             required = "running" if states is GUEST_UP else "/".join(sorted(s.value for s in states))
-            raise SandboxStateError(sandbox_id, live.record.state.value, required)
+            raise state_error(sandbox_id, live.record.state, required, live.record.error)
         return live
 
     async def _prepare_templates(self) -> None:
