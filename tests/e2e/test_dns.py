@@ -96,3 +96,47 @@ def test_the_forwarder_opens_port_53_and_nothing_else(api: httpx.Client, node: S
     finally:
         api.delete(f"/sandboxes/{sid}")
         listener.close()
+
+
+# A DNS query over UDP; prints the answer's address, or "no answer" after 3 s.
+UDP_QUERY = r'''
+import socket, struct, sys
+q = struct.pack(">HHHHHH", 0x4343, 0x0100, 1, 0, 0, 0)
+q += b"".join(bytes([len(p)]) + p.encode() for p in sys.argv[2].split(".")) + b"\0" + struct.pack(">HH", 1, 1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(3)
+s.sendto(q, (sys.argv[1], 53))
+try:
+    a = s.recv(512)
+    print(".".join(map(str, a[-4:])))
+except socket.timeout:
+    print("no answer")
+'''
+
+
+def test_the_forwarder_answers_the_host_but_not_a_neighbour_on_another_interface(node: ServerProcess) -> None:
+    """The kernel takes the forwarder's address (on loopback) from any interface: a LAN
+    neighbour or a container of the host could relay queries through it into the host's
+    resolvers. Here the neighbour is a namespace behind its own veth pair, routed to it."""
+    dns_addr = node_cidr(42).split("/")[0].rsplit(".", 1)[0] + ".1"
+    ns, host_if, ns_if = "aenv-t-lan", "tlanh0", "tlann0"
+    sh = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True)  # noqa: E731
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+    sh("ip", "netns", "add", ns)
+    try:
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if, "netns", ns)
+        sh("ip", "addr", "add", "198.18.77.1/30", "dev", host_if)
+        sh("ip", "link", "set", host_if, "up")
+        sh("ip", "-n", ns, "addr", "add", "198.18.77.2/30", "dev", ns_if)
+        sh("ip", "-n", ns, "link", "set", ns_if, "up")
+        sh("ip", "-n", ns, "route", "add", dns_addr, "via", "198.18.77.1")
+        on_host = subprocess.run(["python3", "-c", UDP_QUERY, dns_addr, NAME], capture_output=True, text=True,
+                                 timeout=30)
+        assert on_host.stdout.strip() == ADDRESS, on_host  # the forwarder is up and answers the host
+        neighbour = subprocess.run(["ip", "netns", "exec", ns, "python3", "-c", UDP_QUERY, dns_addr, NAME],
+                                   capture_output=True, text=True, timeout=30)
+        assert neighbour.stdout.strip() == "no answer", neighbour
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)

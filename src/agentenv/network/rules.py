@@ -16,10 +16,13 @@ GUEST_GW = "169.254.0.22"
 # (taken in another namespace) stays valid, so its first packet needs no ARP round trip.
 GUEST_MAC = "02:ae:00:00:00:01"
 TAP_MAC = "02:ae:00:00:00:02"
-# Never reachable from a guest, whatever its egress policy (host, LAN, metadata, other slots).
+# Never reachable from a guest, whatever its egress policy: the host, the LAN, other slots,
+# the clouds' metadata services (169.254.169.254, Alibaba's 100.100.100.200, and Azure's
+# WireServer 168.63.129.16, which hands out a VM's goal state and extension settings), and
+# addresses no one routes ("this network", IETF protocol assignments, multicast, reserved).
 ALWAYS_DENIED = (
-    "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
-    "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4",
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "168.63.129.16/32", "169.254.0.0/16",
+    "172.16.0.0/12", "192.0.0.0/24", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
 )
 
 
@@ -72,18 +75,23 @@ table ip aenv {{
 def host_ruleset(table: str, ifprefix: str, slot_cidr: str, dns_addr: str | None = None,
                  denied: Sequence[str] = ()) -> str:
     """On the host: sandboxes reach neither each other nor the host (but its DNS forwarder on
-    port 53); outbound is masqueraded. A connection from a sandbox that the host rewrites to
+    port 53, which nothing else but the host reaches); outbound is masqueraded. A connection from a sandbox that the host rewrites to
     another address (a published port: ``docker run -p``, a Kubernetes NodePort, a firewalld
     forward) is dropped: it would be forwarded to a container or service the namespace's
     checks never saw the address of. ``denied``: more networks no sandbox reaches, whatever its
     egress policy (the node's: its uplink's network, AENV_DENY_OUT)."""
     dns = (f'iifname "{ifprefix}*" ip daddr {dns_addr} meta l4proto {{ udp, tcp }} th dport 53 accept'
            if dns_addr else "")
+    # The forwarder is for sandboxes (and the host itself): the kernel would take its address
+    # from any interface, and a LAN neighbour or a host's container would relay queries into
+    # the host's resolvers, loopback-only and internal ones included.
+    dns_others = f'ip daddr {dns_addr} iifname != "lo" iifname != "{ifprefix}*" drop' if dns_addr else ""
     deny = f'iifname "{ifprefix}*" ip daddr {{ {", ".join(denied)} }} drop' if denied else ""
     return f"""
 table inet {table} {{
   chain input {{
     type filter hook input priority filter; policy accept;
+    {dns_others}
     iifname "{ifprefix}*" ct state established,related accept
     {dns}
     iifname "{ifprefix}*" drop
