@@ -198,3 +198,19 @@ def test_a_long_build_log_keeps_the_offsets_the_sdk_polls_by() -> None:
         received += batch
     assert received[:MAX_LOG_ENTRIES] == [f"line {i}" for i in range(MAX_LOG_ENTRIES)]
     assert received[MAX_LOG_ENTRIES:] == [LOG_TRUNCATED, "Build finished"]
+
+
+def test_build_output_lines_are_bounded_and_split_as_written() -> None:
+    """A step's output becomes log lines however it is chunked; a line without a newline is
+    logged in pieces of MAX_LOG_LINE, so a step writing one endless line does not hold it
+    all in the server's memory."""
+    from agentenv.orchestrator.builds.steps import MAX_LOG_LINE, _lines, _pieces
+
+    buf = bytearray()
+    assert _lines(buf, b"a\r\nb") == ["a"] and buf == b"b"
+    assert _lines(buf, b"c\n\nd\n") == ["bc", "", "d"] and buf == b""
+    chunk = b"x" * 65536
+    pieces = [line for _ in range(800) for line in _lines(buf, chunk)]  # 50 MiB, no newline
+    assert len(buf) < MAX_LOG_LINE and all(len(p) == MAX_LOG_LINE for p in pieces)
+    assert len(pieces) * MAX_LOG_LINE + len(buf) == 800 * 65536
+    assert _pieces(bytearray(b"tail"), final=True) == ["tail"]

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from agentenv.orchestrator.service import Orchestrator
 
 TAIL_LINES = 20
+MAX_LOG_LINE = 16 * 1024  # a longer output line is logged in pieces
 READY_INTERVAL_S = 0.5
 
 # COPY in the guest, as root: unpack the upload, copy like Docker's COPY (a directory's
@@ -82,12 +83,44 @@ class StepFailed(Exception):
 
 
 def _lines(buf: bytearray, data: bytes) -> list[str]:
-    buf += data
+    """The log lines ``data`` completes; ``buf`` holds an unfinished one. A line longer than
+    MAX_LOG_LINE is logged in pieces of that length: a step that writes without newlines
+    (``cat /dev/urandom | base64 -w0``) must hold neither the server's memory nor, rescanned
+    on every chunk, its event loop."""
     out = []
-    while (i := buf.find(b"\n")) >= 0:
-        out.append(bytes(buf[:i]).decode(errors="replace").rstrip("\r"))
-        del buf[: i + 1]
+    *done, rest = data.split(b"\n")
+    for part in done:
+        buf += part
+        out += _pieces(buf, final=True)
+    buf += rest
+    out += _pieces(buf, final=False)
     return out
+
+
+def _pieces(buf: bytearray, *, final: bool) -> list[str]:
+    out = []
+    while len(buf) >= MAX_LOG_LINE or (final and (buf or not out)):
+        piece = bytes(buf[:MAX_LOG_LINE])
+        del buf[:MAX_LOG_LINE]
+        out.append(piece.decode(errors="replace").rstrip("\r"))
+        if final and not buf:
+            break
+    return out
+
+
+async def run_streamed(envd: Any, argv: list[str], on_output: Any, **kw: Any) -> int:
+    """A command's exit code, its output only passed to ``on_output(data)``: none is kept (a
+    build step may write gigabytes)."""
+    code: int | None = None
+    async with aclosing(envd.stream(argv, **kw)) as events:
+        async for event in events:  # to the stream's end: a deadline is an error after the end event
+            if event.type in ("stdout", "stderr"):
+                on_output(event.type, event.data)
+            elif event.type == "end":
+                code = int(event.exit_code)
+    if code is None:
+        raise EnvdError("internal", "process stream ended without an end event")
+    return code
 
 
 
@@ -111,23 +144,20 @@ class GuestSteps:
     async def _run_logged(self, b: BuildRecord, sid: str, argv: list[str], *, step: str, cfg: Config,
                           user: str | None, tail: deque[str], timeout: float | None = None) -> int:
         """Run a command, its output lines appended to the build's log (and ``tail``)."""
-        bufs = {"out": bytearray(), "err": bytearray()}
+        bufs = {"stdout": bytearray(), "stderr": bytearray()}
 
-        def sink(which: str):  # type: ignore[no-untyped-def]
-            def on(data: bytes) -> None:
-                for line in _lines(bufs[which], data):
-                    tail.append(line)
-                    self._log(b, line, step=step)
-            return on
-
-        res = await self.orch.envd(sid).run(argv, envs=cfg.env, cwd=cfg.workdir, user=user, timeout=timeout,
-                                            on_stdout=sink("out"), on_stderr=sink("err"))
-        for buf in bufs.values():
-            if buf:
-                line = bytes(buf).decode(errors="replace")
+        def sink(which: str, data: bytes) -> None:
+            for line in _lines(bufs[which], data):
                 tail.append(line)
                 self._log(b, line, step=step)
-        return res.exit_code
+
+        code = await run_streamed(self.orch.envd(sid), argv, sink, envs=cfg.env, cwd=cfg.workdir, user=user,
+                                  timeout=timeout)
+        for buf in bufs.values():
+            for line in _pieces(buf, final=True) if buf else ():
+                tail.append(line)
+                self._log(b, line, step=step)
+        return code
 
     async def _ensure_workdir(self, sid: str, cfg: Config, ensured: set[str]) -> None:
         if cfg.workdir and cfg.workdir not in ensured:
@@ -225,10 +255,16 @@ class GuestSteps:
         while True:
             left = deadline - time.monotonic()
             try:
-                res = await self.orch.envd(sid).run(self._argv(shell, spec.ready_cmd), envs=cfg.env, cwd=cfg.workdir,
-                                                    user=cfg.user, timeout=max(2.0, min(30.0, left)))
-                code = res.exit_code
-                last = (res.stdout + res.stderr).decode(errors="replace").strip()[-2000:]
+                said = bytearray()  # the last 2,000 bytes of its output, for the failure's message
+
+                def keep(_kind: str, data: bytes, said: bytearray = said) -> None:
+                    said.extend(data)
+                    del said[:-2000]
+
+                code = await run_streamed(self.orch.envd(sid), self._argv(shell, spec.ready_cmd), keep,
+                                          envs=cfg.env, cwd=cfg.workdir, user=cfg.user,
+                                          timeout=max(2.0, min(30.0, left)))
+                last = bytes(said).decode(errors="replace").strip()
             except EnvdError as exc:
                 code, last = None, f"guest agent: {exc.message}"
             if code == 0:
