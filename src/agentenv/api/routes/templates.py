@@ -266,10 +266,12 @@ async def upload_files(template_id: str, files_hash: str, request: Request, toke
     orch = orch_of(request)
     if orch.builds.has_upload(files_hash):
         # Stored files are shared by every build with this hash and kept as first uploaded:
-        # a later PUT (the url never expires) must not swap what those builds copy.
-        return JSONResponse({"code": 409, "message": f"the files with hash {files_hash} are stored already "
-                                                     "(GET /templates/{id}/files/{hash} says present)"},
-                            status_code=409)
+        # a later PUT (the url never expires) must not swap what those builds copy. It is
+        # still a success, as a repeated PUT to a pre-signed S3 URL is: two builds sharing a
+        # COPY step both see the files absent, and the SDKs fail the build on an error here.
+        async for _ in request.stream():
+            pass
+        return Response(status_code=204)
     limit = orch.settings.build_upload_max_mb << 20
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
