@@ -44,6 +44,7 @@ def test_create_answers_and_refusals(api: httpx.Client) -> None:
         ({"autoPause": True, "autoPauseMemory": False, "autoResume": {"enabled": True}}, "autoResume"),
         ({"volumeMounts": [{"name": "v", "path": "/mnt"}]}, "volumes"),
         ({"network": {"dnsServers": ["1.1.1.1"]}}, "dnsServers"),
+        ({"network": {"httpsPorts": [3000]}}, "httpsPorts"),  # (was accepted, then plain HTTP reached TLS)
         ({"network": {"allowOut": ["2001:db8::/32"]}}, "IPv6"),
     ]
     for body, words in refusals:
@@ -52,6 +53,10 @@ def test_create_answers_and_refusals(api: httpx.Client) -> None:
         assert r.json()["code"] == 400 and words in r.json()["message"], (body, r.text)
     r = api.post("/sandboxes", json={"templateID": "no-such-template"})
     assert r.status_code == 404 and r.json()["code"] == 404 and "no-such-template" in r.json()["message"]
+    # Volumes and secrets: not "no such volume" (a 404 the SDKs read so), but not supported.
+    for method, path in (("GET", "/volumes"), ("DELETE", "/volumes/v1"), ("POST", "/secrets"), ("GET", "/secrets/s")):
+        r = api.request(method, path)
+        assert r.status_code == 501 and "not supported" in r.json()["message"], (method, path, r.text)
 
 
 def test_unknown_sandbox_is_404_with_e2b_body(api: httpx.Client) -> None:

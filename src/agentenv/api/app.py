@@ -10,7 +10,15 @@ from fastapi import Depends, FastAPI, Request
 
 from agentenv import __version__
 from agentenv.api import errors
-from agentenv.api.routes import data, images, lifecycle, sandboxes, system, templates
+from agentenv.api.routes import (
+    data,
+    images,
+    lifecycle,
+    sandboxes,
+    system,
+    templates,
+    unsupported,
+)
 from agentenv.orchestrator import Orchestrator
 
 
@@ -51,6 +59,7 @@ def create_app(orch: Orchestrator, api_key: str,
     app.include_router(images.router, dependencies=[Depends(require_key)])
     app.include_router(templates.router, dependencies=[Depends(require_key)])
     app.include_router(templates.uploads)  # its own token in the url, like a pre-signed url
+    app.include_router(unsupported.router, dependencies=[Depends(require_key)])
     return app
 
 

@@ -49,6 +49,9 @@ def _unsupported_network(net: NetworkConfig, prefix: str = "network") -> None:
         if getattr(net, name):
             raise InvalidRequest(f"{prefix}.{name} is not supported by AgentENV (egress is filtered by "
                                  "address with allowOut/denyOut); leave it out")
+    if net.httpsPorts:  # (accepted and ignored, a TLS server there would get plain HTTP)
+        raise InvalidRequest(f"{prefix}.httpsPorts is not supported by AgentENV: its proxy speaks plain HTTP "
+                             "to every port of a sandbox; leave it out and serve HTTP there")
 
 
 def _create_options(body: NewSandbox) -> dict[str, Any]:
