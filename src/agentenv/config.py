@@ -53,6 +53,7 @@ class Settings:
     slot_pool_size: int = 20  # network namespaces kept ready: a fork of max_fork children waits for none
     boot_timeout_s: float = 120.0  # cold boot until the agent answers (TCG is slow)
     restore_timeout_s: float = 20.0  # restore until the agent answers
+    qmp_timeout_s: float = 60.0  # a QMP command QEMU does not answer in this long: that QEMU is killed
     tcg_tb_size_mb: int = 128  # TCG translation cache per VM (MiB, filled as used): see machines.md
     tcg_cpu: str = DEFAULT_TCG_CPU  # QEMU -cpu under TCG for new template snapshots (see above)
     guest_aslr: bool = False  # under TCG, ASLR in the guest makes every exec 2-3x slower
@@ -117,6 +118,7 @@ class Settings:
             spare_layers_mb=int(_env("AENV_SPARE_LAYERS_MB", str(d.spare_layers_mb))),
             boot_timeout_s=float(_env("AENV_BOOT_TIMEOUT", str(d.boot_timeout_s))),
             restore_timeout_s=float(_env("AENV_RESTORE_TIMEOUT", str(d.restore_timeout_s))),
+            qmp_timeout_s=float(_env("AENV_QMP_TIMEOUT", str(d.qmp_timeout_s))),
             tcg_tb_size_mb=int(_env("AENV_TCG_TB_MB", str(d.tcg_tb_size_mb))),
             tcg_cpu=_env("AENV_TCG_CPU", d.tcg_cpu) or d.tcg_cpu,
             guest_aslr=_env("AENV_GUEST_ASLR", "0") in ("1", "true", "on"),

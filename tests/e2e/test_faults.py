@@ -318,3 +318,34 @@ def test_qemu_dying_during_a_snapshot_is_noticed(tmp_path: Path) -> None:
             assert api.delete(f"/sandboxes/{sid}").status_code == 204
     finally:
         s.kill_all()
+
+
+def test_a_qemu_that_stops_answering_is_killed_and_does_not_hold_up_the_node(tmp_path: Path) -> None:
+    """A pause waits on QMP while it holds the node's repository lock. A QEMU that took the
+    command and never answered (here: SIGSTOP; in the wild a frozen cgroup or a disk that
+    hangs) froze every pause, snapshot, fork, resume and gc of the node for good. It is now
+    killed after AENV_QMP_TIMEOUT (3 s here): its pause fails and the sandbox is failed, and
+    another sandbox's pause goes through."""
+    s = ServerProcess(tmp_path / "data", node_cidr(57), AENV_POOL_SIZE="2", AENV_QMP_TIMEOUT="3")
+    s.start()
+    try:
+        with s.client() as api, ThreadPoolExecutor(1) as ex:
+            hung, other = (api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"] for _ in range(2))
+            (pid,) = host.qemu_pids(hung)
+            os.kill(pid, signal.SIGSTOP)
+            first = ex.submit(lambda: s.client().post(f"/sandboxes/{hung}/pause", timeout=120))
+            time.sleep(0.5)  # its pause holds the repository lock, waiting on the stopped QEMU
+            r = api.post(f"/sandboxes/{other}/pause", timeout=120)
+            assert r.status_code == 204, r.text
+            r = first.result(120)
+            assert r.status_code >= 500 and "AENV_QMP_TIMEOUT" in r.json()["message"], r.text
+            assert host.qemu_gone(hung), "the QEMU that did not answer is killed"
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and api.get(f"/sandboxes/{hung}").status_code != 410:
+                time.sleep(0.2)
+            assert api.get(f"/sandboxes/{hung}").status_code == 410  # failed, with the reason
+            r = api.post(f"/sandboxes/{other}/resume")
+            assert r.status_code == 201, r.text
+            assert run(api, other, "echo back")["stdout"] == "back\n"
+    finally:
+        s.kill_all()

@@ -72,7 +72,7 @@ from agentenv.storage import (
     remove_tree,
 )
 from agentenv.storage import memory_layers as ml
-from agentenv.vmm import AccelInfo, detect_accel, ksm
+from agentenv.vmm import AccelInfo, Machine, detect_accel, ksm
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class Orchestrator:
 
     def __init__(self, settings: Settings, registry: RegistrySettings | None = None) -> None:
         self.settings = settings
+        Machine.qmp_timeout_s = settings.qmp_timeout_s
         self.accel: AccelInfo = detect_accel(settings.accel)
         self.sandboxes_dir = settings.data_dir / "sandboxes"
         self.store = Store(settings.db_path)

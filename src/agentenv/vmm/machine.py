@@ -46,6 +46,12 @@ class VmLaunchFailed(VmmError):
 class Machine:
     """A running (or incoming) QEMU microvm."""
 
+    # A QEMU that takes a command and never answers (stopped, frozen, stuck draining a disk
+    # that hangs) is killed after this long, and the command fails: a pause or snapshot waits
+    # on QMP while it holds the node's repository lock, so one hung VM froze every pause,
+    # snapshot, fork, resume and gc of the node. The server sets it (AENV_QMP_TIMEOUT).
+    qmp_timeout_s: float = 60.0
+
     def __init__(self, spec: MachineSpec, pid: int, qmp: QMPClient) -> None:
         self.spec = spec
         self.pid = pid
@@ -202,8 +208,24 @@ class Machine:
         """Run one QMP command; QMP failures become VmmError naming the command."""
         if self.exited:
             raise VmmError(f"QEMU of {self.spec.name} has exited")
+        call = asyncio.ensure_future(self._qmp.execute(command, arguments or None))
         try:
-            return await self._qmp.execute(command, arguments or None)
+            # (not wait_for: the QMP client turns its cancellation into an error of its own)
+            done, _ = await asyncio.wait({call}, timeout=self.qmp_timeout_s)
+        except BaseException:  # the caller was cancelled: so is the command (its outcome unread)
+            call.cancel()
+            call.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise
+        if not done:
+            log.error("QEMU of %s did not answer QMP %s within %.0f s: killing it", self.spec.name, command,
+                      self.qmp_timeout_s)
+            kill_pid(self.pid)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            raise VmmError(f"QEMU of {self.spec.name} did not answer QMP {command} within "
+                           f"{self.qmp_timeout_s:.0f} s (AENV_QMP_TIMEOUT) and was killed")
+        try:
+            return call.result()
         except (QMPError, OSError) as exc:
             raise VmmError(f"QMP {command} failed on {self.spec.name}: {exc}") from exc
 
