@@ -324,7 +324,7 @@ class SnapshotBuilder:
             t2 = time.monotonic()
             await asyncio.to_thread(snap.keep_memory)
             keep_ms = (time.monotonic() - t2) * 1000
-            snap.save()
+            await asyncio.to_thread(snap.save)
             undo.release()
             log.info("template %s snapshotted (%d vCPU, %d MiB): boot %.0f ms, snapshot %.1f ms, "
                      "memory kept on disk in %.0f ms", t.name, vcpus, memory_mb, boot_ms, snapshot_ms, keep_ms)

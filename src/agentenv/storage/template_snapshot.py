@@ -23,10 +23,12 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agentenv.durable import publish
+from agentenv.durable import fsync_path, publish
 from agentenv.storage.memory_layers import materialize
 
 TMP_SUFFIX = ".tmp"  # memory files being copied back; left behind only by a crash
+_COPIES: dict[Path, threading.Lock] = {}  # ensure_memory: one copy at a time per memory file
+_COPIES_GUARD = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -68,29 +70,41 @@ class TemplateSnapshot:
 
     def ensure_memory(self) -> None:
         """Bring the memory file back onto tmpfs from the durable copy if it is gone (blocking:
-        a sparse copy of the pages the template touched, once after a host reboot). Callers
-        racing here each copy, but only the first copy is linked in: a VM that maps it keeps
-        mapping the file every later user maps."""
+        a sparse copy of the pages the template touched, once after a host reboot). One copy
+        at a time per file: after a reboot a trainer resumes dozens of sandboxes at once, and
+        each made its own copy on tmpfs (RAM no admission counted) before one was linked in."""
         if self.mem_file.exists():
             return
-        self.mem_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.mem_file.with_name(f"{self.mem_file.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
-        try:
-            materialize(self.memory_copy, [], tmp)
+        with _COPIES_GUARD:
+            lock = _COPIES.setdefault(self.mem_file, threading.Lock())
+        with lock:
+            if self.mem_file.exists():  # the caller before us copied it
+                return
+            self.mem_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.mem_file.with_name(f"{self.mem_file.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
             try:
-                os.link(tmp, self.mem_file)
-            except FileExistsError:
-                pass  # another caller was first
-        finally:
-            tmp.unlink(missing_ok=True)
+                materialize(self.memory_copy, [], tmp)
+                try:
+                    os.link(tmp, self.mem_file)
+                except FileExistsError:
+                    pass  # another process was first
+            finally:
+                tmp.unlink(missing_ok=True)
 
     def save(self) -> None:
+        """Write ``meta.json``, the mark of a complete snapshot, once what it names is on the
+        disk (blocking): torn after a power cut, the device state or disk would fail every
+        create of the template, and a lost mark would rebuild it under a new time, refusing
+        every paused sandbox and snapshot taken on this one."""
+        for name in ("state", "disk.qcow2"):
+            if (self.dir / name).exists():
+                fsync_path(self.dir / name)
         d = asdict(self)
         d["dir"] = str(self.dir)
         d["mem_file"] = str(self.mem_file)
         tmp = self.dir / "meta.json.tmp"
         tmp.write_text(json.dumps(d, indent=1))
-        os.replace(tmp, self.dir / "meta.json")
+        publish(tmp, self.dir / "meta.json")
 
     @classmethod
     def load(cls, dir: Path) -> TemplateSnapshot | None:
