@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.errors import DiskFull
 from agentenv.storage import memory_layers as ml
 from agentenv.storage.spares import SparePool
 
@@ -311,3 +312,19 @@ def test_materialized_file_is_base_plus_chain(mem: Path, tmp_path: Path) -> None
         g2.close()
     # holes stay holes: only the base's data and the layer's pages take space
     assert out.stat().st_blocks * 512 < 4 << 20
+
+
+def test_compacting_on_a_full_disk_is_disk_full_and_leaves_no_file(mem: Path, tmp_path: Path) -> None:
+    """A pause that compacts its chain on a full disk is a 507 (DiskFull), which the
+    orchestrator answers by giving the spare files' space back; it was a 500 with no retry."""
+    l1 = capture_of(mem, tmp_path / "l1", (10, 256, 1))  # 1 MiB each
+    l2 = capture_of(mem, tmp_path / "l2", (600, 256, 2))
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], check=True)
+    try:
+        with pytest.raises(DiskFull):
+            ml.compact([l1.path, l2.path], full / "merged")
+        assert list(full.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(full)], check=True)

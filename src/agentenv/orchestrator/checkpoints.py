@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
-from agentenv.errors import SnapshotUnusable, VmmError
+from agentenv.errors import DiskFull, SnapshotUnusable, VmmError
 from agentenv.network import Slot
 from agentenv.orchestrator.cleanup import Cleanup
 from agentenv.orchestrator.store import SandboxRecord
@@ -264,10 +264,20 @@ class Checkpointer:
         return tuple(LayerRef(p.name, p.stat().st_size) for p in reversed(chain) if p.parent == self.repo.layers)
 
     async def _compact(self, memory: tuple[LayerRef, ...]) -> LayerRef:
+        """One layer for the chain; on a full disk the spare files' space is given back and
+        the merge tried once more, as a capture does."""
         out = self.repo.staging_path("mem")
-        info = await asyncio.to_thread(ml.compact, [self.repo.layer_path(r.name) for r in memory], out,
-                                       [r.digest for r in memory])
-        return await asyncio.to_thread(self.repo.import_layer, out, "mem", info.digest)
+        chain, digests = [self.repo.layer_path(r.name) for r in memory], [r.digest for r in memory]
+        try:
+            info = await asyncio.to_thread(ml.compact, chain, out, digests)
+        except DiskFull:
+            if not await asyncio.to_thread(self.repo.spares.clear):
+                raise
+            info = await asyncio.to_thread(ml.compact, chain, out, digests)
+        try:
+            return await asyncio.to_thread(self.repo.import_layer, out, "mem", info.digest)
+        finally:
+            await asyncio.to_thread(out.unlink, True)  # (imported: moved away; failed: not left in staging)
 
     # -- restore --------------------------------------------------------------------------
 

@@ -621,20 +621,28 @@ def compact(chain: Sequence[Path], out: Path, digests: Sequence[str | None] = ()
             raise CorruptLayer(path)
     layers = [LayerFile(p) for p in chain]
     index = _Chain(layers)
+    failed: tuple[int | None, str] | None = None
     try:
         digest = xxhash.xxh3_128()
         with open(out, "wb") as f:
             f.seek(PAGE)
             _write_newest(f, index, digest)
-            return _seal(f, digest, layers[-1].mapping_size, _runs_of(index.pages), out)
+            info = _seal(f, digest, layers[-1].mapping_size, _runs_of(index.pages), out)
     except OSError as exc:
+        # Only its number and words are kept: its traceback holds views of the layers'
+        # mappings, which then could not be closed.
+        failed = exc.errno, str(exc)
         out.unlink(missing_ok=True)
-        raise StorageError(f"cannot compact memory layers into {out}: {exc}") from exc
     finally:
         index.release()
         del index
         for layer in layers:
             layer.close()
+    if failed is not None:
+        if failed[0] == errno.ENOSPC:
+            raise DiskFull(f"no space left on {out.parent} to compact memory layers; free disk space")
+        raise StorageError(f"cannot compact memory layers into {out}: {failed[1]}")
+    return info
 
 
 def _write_newest(f: BinaryIO, index: _Chain, digest: xxhash.xxh3_128) -> None:
