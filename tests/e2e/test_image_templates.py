@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -16,6 +18,7 @@ import pytest
 from tests.e2e.conftest import run
 from tests.framework.net import node_cidr
 from tests.framework.registry import (
+    BlackHole,
     BuiltImage,
     LocalRegistry,
     build_busybox_image,
@@ -250,3 +253,25 @@ def test_delete_image_template_keeps_running_sandboxes_then_frees_the_image(api:
     assert not ext4[0].exists() and not (store / "oci" / digest).exists()
     assert not list((node.data_dir / "templates").glob("bb-del/snapshots/*/meta.json"))
     assert api.delete("/templates/base").status_code == 400
+
+
+def test_no_image_is_cleaned_up_while_a_pull_is_in_progress(api: httpx.Client, registries, node: ServerProcess,
+                                                           tmp_path: Path) -> None:
+    """A pull uses the layout it downloads or reuses before any template does: a clean-up
+    meanwhile (a template's deletion, another pull's start) took an unused layout older than
+    10 minutes from under it. Clean-ups now hold off while a pull runs (here one that hangs
+    on a registry that never answers)."""
+    (tmp_path / "gate.txt").write_text(f"{time.time_ns()}\n")  # an image of its own digest
+    tar = tmp_path / "gate.tar"
+    subprocess.run(["tar", "-C", str(tmp_path), "-cf", str(tar), "gate.txt"], check=True)
+    built = build_image_from_tars(registries[0], "gate/image", [tar])
+    assert api.post("/images/pull", json={"image": built.ref, "name": "gate"}).status_code == 201
+    layout = node.data_dir / "images" / "oci" / built.digest.removeprefix("sha256:")
+    with BlackHole() as hole, ThreadPoolExecutor(1) as ex:
+        hanging = ex.submit(lambda: node.client().post("/images/pull", json={"image": f"{hole.host}/x:1"},
+                                                       timeout=120))
+        time.sleep(1.0)  # that pull is in progress
+        _age([layout])  # as a layout reused by a pull would look
+        assert api.delete("/templates/gate").status_code == 204
+        assert layout.is_dir(), "cleaned up while a pull was in progress"
+    assert hanging.result(120).status_code >= 400  # (the hole closed)

@@ -73,11 +73,31 @@ async def pull(orch: Orchestrator, image: str, *, name: str | None = None, usern
     size = DEFAULT_DISK_MB if disk_mb is None else disk_mb
     if not 512 <= size <= MAX_DISK_MB:
         raise InvalidRequest(f"diskSizeMB must be between 512 and {MAX_DISK_MB}, got {size}")
-    base = orch.catalog.get("base").artifacts
-    root = orch.settings.data_dir / "images"
     # What earlier pulls left that no template uses (a conversion refused as too large keeps
     # its download): each pull clears it, not only a template's deletion.
-    await asyncio.to_thread(remove_unused_images, orch)
+    async with orch.image_gate:
+        if orch.pulls_in_progress == 0:
+            await asyncio.to_thread(remove_unused_images, orch)
+        orch.pulls_in_progress += 1
+    try:
+        return await _pull(orch, ref, name, size, username, password)
+    finally:
+        orch.pulls_in_progress -= 1
+
+
+async def clean_unused_images(orch: Orchestrator) -> None:
+    """``remove_unused_images``, unless a pull is in progress: what it downloads or reuses is
+    used by no template until it registers one (and it may run for longer than any age that
+    would tell). Pulls start only once a clean-up in progress is done."""
+    async with orch.image_gate:
+        if orch.pulls_in_progress == 0:
+            await asyncio.to_thread(remove_unused_images, orch)
+
+
+async def _pull(orch: Orchestrator, ref: ImageRef, name: str, size: int, username: str | None,
+                password: str | None) -> Template:
+    base = orch.catalog.get("base").artifacts
+    root = orch.settings.data_dir / "images"
     t0 = time.monotonic()
     pulled = await oci.pull(ref, root, orch.registry, username=username, password=password)
     out = root / "rootfs" / oci.ext4_name(pulled, size)
@@ -125,6 +145,13 @@ def remove_interrupted(images_dir: Path) -> list[str]:
     return removed
 
 
+def _older(path: Path, than: float) -> bool:
+    try:
+        return path.stat().st_mtime < than
+    except FileNotFoundError:  # (removed meanwhile)
+        return False
+
+
 def remove_unused_images(orch: Orchestrator) -> list[str]:
     """Delete converted images (ext4) and OCI layouts that no template uses any more. A base
     image stays while a template snapshot built on it exists (a running sandbox's disk chain
@@ -137,14 +164,14 @@ def remove_unused_images(orch: Orchestrator) -> list[str]:
         except (OSError, ValueError, KeyError):
             continue
     digests = {(t.image or {}).get("digest", "") for t in orch.catalog.list()}
-    fresh = time.time() - 600  # a pull in progress has converted but not registered yet
+    fresh = time.time() - 600  # (callers hold off while a pull runs; this spares one of another server)
     removed = []
     for ext4 in (root / "rootfs").glob("*.ext4"):
-        if str(ext4) not in in_use and ext4.stat().st_mtime < fresh:
+        if str(ext4) not in in_use and _older(ext4, fresh):
             remove_read_only(ext4)
             removed.append(str(ext4))
     for layout in (root / "oci").glob("[0-9a-f]*"):
-        if f"sha256:{layout.name}" not in digests and layout.stat().st_mtime < fresh:
+        if f"sha256:{layout.name}" not in digests and _older(layout, fresh):
             shutil.rmtree(layout, ignore_errors=True)
             removed.append(str(layout))
     for path in removed:

@@ -163,6 +163,8 @@ class Orchestrator:
         self._starting: list[Checkpoint] = []  # saved states sandboxes are being started from
         self.registry = registry or RegistrySettings()  # where images are pulled from (server.py reads the env)
         self._image_locks: dict[str, asyncio.Lock] = {}
+        self.image_gate = asyncio.Lock()  # image clean-ups and the start of pulls (pulling.py)
+        self.pulls_in_progress = 0
         from agentenv.orchestrator.builds import Builds
 
         self.builds = Builds(self)  # template builds from steps (orchestrator/builds)
@@ -754,14 +756,14 @@ class Orchestrator:
         """Forget a template pulled from an image. Its template snapshots (memory files on
         tmpfs) go at once unless a sandbox or a saved state still starts from them; those stay
         until the last user is gone (the next ``remove_stale``: a delete, or a server start).
-        The image's OCI layout and ext4 go too once no template uses them and they are older
-        than a pull in progress could be (``pulling.remove_unused_images``)."""
+        The image's OCI layout and ext4 go too once no template uses them, unless a pull is in
+        progress (``pulling.clean_unused_images``)."""
         t = self.catalog.get(name)
         if t.image is None:
             raise InvalidRequest(f"'{name}' is a built-in template and cannot be deleted")
         await asyncio.to_thread(self.catalog.delete, name)
         await self.retire_template_snapshots(name)
-        await asyncio.to_thread(pulling.remove_unused_images, self)
+        await pulling.clean_unused_images(self)
 
     async def retire_template_snapshots(self, name: str) -> None:
         """Template ``name`` was deleted or now starts from something else: its cached template
