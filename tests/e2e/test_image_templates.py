@@ -235,7 +235,7 @@ def test_delete_image_template_keeps_running_sandboxes_then_frees_the_image(api:
     digest = images["short-lived"].digest.removeprefix("sha256:")
     assert api.post("/images/pull", json={"image": images["short-lived"].ref, "name": "bb-del"}).status_code == 201
     store = node.data_dir / "images"
-    ext4 = [p for p in (store / "rootfs").glob(f"oci-{digest[:16]}-*.ext4")]
+    ext4 = [p for p in (store / "rootfs").glob(f"oci-{digest}-*.ext4")]
     assert len(ext4) == 1 and (store / "oci" / digest).is_dir()
     sid = _sandbox(api, "bb-del")
     try:

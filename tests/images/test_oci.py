@@ -202,6 +202,7 @@ async def test_pull_and_convert_busybox(registry, busybox, cache, tmp_path):
     assert img.config.entrypoint == [] and img.config.user is None
     assert img.size_bytes > 500_000  # the compressed busybox layer
 
+    assert img.digest.removeprefix("sha256:") in ext4_name(img, 64)  # the whole digest names the cached conversion
     out = await to_ext4(img, tmp_path / "out" / ext4_name(img, 64), size_mb=64)
     assert out.exists() and stat.S_IMODE(out.stat().st_mode) == 0o444
     assert out.stat().st_size == 64 << 20

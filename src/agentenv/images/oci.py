@@ -113,9 +113,11 @@ def layout_dir(cache: Path, digest: str) -> Path:
 
 
 def ext4_name(image: PulledImage, size_mb: int, *, add_user: bool = True) -> str:
-    """File name for ``image`` converted at ``size_mb``: callers cache conversions under it."""
+    """File name for ``image`` converted at ``size_mb``: callers cache conversions under it,
+    so it carries the whole digest (a 64-bit prefix could be made to collide: an image pinned
+    by digest would then start from another image's conversion)."""
     hex_ = image.digest.removeprefix("sha256:")
-    return f"oci-{hex_[:16]}-{size_mb}m-v{CONVERT_VERSION}{'' if add_user else '-nouser'}.ext4"
+    return f"oci-{hex_}-{size_mb}m-v{CONVERT_VERSION}{'' if add_user else '-nouser'}.ext4"
 
 
 # ---------------------------------------------------------------- layout reading / verification
