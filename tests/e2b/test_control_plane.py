@@ -53,6 +53,13 @@ def test_create_answers_and_refusals(api: httpx.Client) -> None:
         assert r.json()["code"] == 400 and words in r.json()["message"], (body, r.text)
     r = api.post("/sandboxes", json={"templateID": "no-such-template"})
     assert r.status_code == 404 and r.json()["code"] == 404 and "no-such-template" in r.json()["message"]
+    # A browser (the JS SDK in a web page): the preflight passes, and paging's header is readable.
+    r = api.options("/v2/sandboxes", headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                                              "Access-Control-Request-Headers": "x-api-key,content-type,browser"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "https://app.example"), r.headers
+    assert "x-api-key" in r.headers["access-control-allow-headers"].lower()
+    r = api.get("/v2/sandboxes", headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and "x-next-token" in r.headers["access-control-expose-headers"].lower()
     # Volumes and secrets: not "no such volume" (a 404 the SDKs read so), but not supported.
     for method, path in (("GET", "/volumes"), ("DELETE", "/volumes/v1"), ("POST", "/secrets"), ("GET", "/secrets/s")):
         r = api.request(method, path)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 
 from agentenv import __version__
 from agentenv.api import errors
@@ -43,6 +44,10 @@ def create_app(orch: Orchestrator, api_key: str,
             raise _Unauthorized("missing or invalid API key: send it in the X-API-Key header")
 
     app = FastAPI(title="AgentENV API", version=__version__, lifespan=lifespan)
+    # The JS SDK runs in browsers too: E2B's API answers CORS from any origin. Nothing rides
+    # on ambient credentials here (the key is a header a page must set itself).
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"],
+                       expose_headers=["X-Next-Token", "Idempotent-Replayed", "Retry-After"], max_age=3600)
     app.state.orch = orch
     app.state.api_key = api_key  # signs the upload urls of template builds (routes/templates.py)
     errors.install(app)
