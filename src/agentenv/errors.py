@@ -163,6 +163,20 @@ class GuestUnresponsive(RequestError):
     code = "guest_unresponsive"
 
 
+class GuestUnresponsiveAtPause(SandboxStateError):
+    """A paused sandbox whose guest agent did not answer when it was paused: its memory would
+    bring the hung agent back. E2B's API answers this 409 with ``error_code``, which the SDKs
+    raise as GuestUnresponsiveException ("resume with on_resume='reboot'")."""
+
+    error_code = "sandbox_snapshot_guest_agent_unresponsive"
+
+    def __init__(self, sandbox_id: str) -> None:
+        RequestError.__init__(self, f"sandbox '{sandbox_id}' was paused while its guest agent did not answer; "
+                                    f"restoring its memory would bring the hung agent back: resume it without its "
+                                    f"memory (memory: false), which boots its disk")
+        self.state, self.required = "paused", "paused with a guest agent that answered"
+
+
 class PlatformError(AgentenvError):
     """The platform failed; the sandbox involved (if any) is marked error, never forgotten."""
 

@@ -105,6 +105,8 @@ def test_auto_pause_without_memory_at_timeout(api: httpx.Client) -> None:
 
 
 def test_a_pause_that_needs_the_guest_agent_is_refused_when_it_does_not_answer(api: httpx.Client) -> None:
+    """A filesystem-only or strict pause of a hung guest agent is refused; a plain one is
+    taken and marked, and only a resume without memory may use it."""
     sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
     try:
         # Stop the guest agent (the command's parent) with SIGSTOP once this command has answered.
@@ -118,5 +120,18 @@ def test_a_pause_that_needs_the_guest_agent_is_refused_when_it_does_not_answer(a
             assert "keeps running" in r.json()["message"]
             assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
         assert host.qemu_pids(sid) != set()
+        # A plain pause is taken and marked, as E2B does: its memory would bring the hung agent
+        # back, so a resume with it is a 409 whose error_code the SDKs raise as
+        # GuestUnresponsiveException; without its memory (on_resume="reboot") it boots its disk.
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        assert api.get(f"/sandboxes/{sid}").json()["envdUnresponsiveAtPause"] is True
+        for path in ("resume", "connect"):
+            r = api.post(f"/sandboxes/{sid}/{path}", json={"timeout": 300})
+            assert r.status_code == 409, r.text
+            assert r.json()["error_code"] == "sandbox_snapshot_guest_agent_unresponsive", r.text
+        r = api.post(f"/sandboxes/{sid}/connect", json={"timeout": 300, "memory": False})
+        assert r.status_code in (200, 201), r.text
+        assert run(api, sid, "echo rebooted")["stdout"] == "rebooted\n"
+        assert "envdUnresponsiveAtPause" not in api.get(f"/sandboxes/{sid}").json()
     finally:
         assert api.delete(f"/sandboxes/{sid}").status_code == 204

@@ -62,8 +62,14 @@ def status_of(exc: BaseException) -> int:
     return 500
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
+def error_response(status: int, message: str, headers: dict[str, str] | None = None,
+                   error_code: str | None = None) -> JSONResponse:
+    """E2B's error body; ``error_code`` where E2B's API sends one that the SDKs map to an
+    exception of its own."""
+    body: dict[str, object] = {"code": status, "message": message}
+    if error_code:
+        body["error_code"] = error_code
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def install(app: FastAPI) -> None:
@@ -78,7 +84,7 @@ def install(app: FastAPI) -> None:
             # create whose guest did not answer would start up to three more VMs, each waiting
             # out the restore timeout. E2B answers its internal errors with 500, not retried.
             headers = {"Should-Retry": "false"}
-        return error_response(status, exc.message, headers)
+        return error_response(status, exc.message, headers, getattr(exc, "error_code", None))
 
     @app.exception_handler(EnvdError)
     async def _envd(_req: Request, exc: EnvdError) -> JSONResponse:

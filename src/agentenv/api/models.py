@@ -156,6 +156,7 @@ class SandboxDetail(ListedSandbox):
     network: dict[str, Any] | None = None
     lifecycle: dict[str, Any] | None = None
     pauseMode: str | None = None  # a paused sandbox: "full" (memory too) or "filesystem"
+    envdUnresponsiveAtPause: bool | None = None  # paused with a hung guest agent: resumes only with memory: false
 
     @classmethod
     def of(cls, r: SandboxRecord, domain: str | None = None) -> SandboxDetail:  # type: ignore[override]
@@ -171,6 +172,7 @@ class SandboxDetail(ListedSandbox):
             mode = "filesystem" if r.paused.filesystem_only else "full"
         return cls(**base, envdAccessToken=r.access_token, domain=domain, allowInternetAccess=internet,
                    network=wire_net or None, pauseMode=mode,
+                   envdUnresponsiveAtPause=True if r.paused is not None and r.paused.guest_unresponsive else None,
                    lifecycle={"autoResume": auto_resume,
                               "onTimeout": "pause" if r.options.get("autoPause") else "kill"})
 

@@ -75,7 +75,7 @@ class Checkpointer:
 
     async def capture(self, rec: SandboxRecord, machine: Machine, *, kind: str, name: str | None = None,
                       seal_disk: bool, keep_running: bool, memory: bool = True,
-                      uncached: bool = False) -> tuple[Checkpoint, str]:
+                      uncached: bool = False, guest_unresponsive: bool = False) -> tuple[Checkpoint, str]:
         """Checkpoint the sandbox; returns the published checkpoint and the disk overlay the
         sandbox writes to from now on (a new one if the disk was sealed). ``memory=False``: a
         filesystem-only checkpoint (the caller had the guest flush its filesystems first).
@@ -124,6 +124,7 @@ class Checkpointer:
                     disk_top=None if seal_disk else rec.disk_path, source_sandbox=rec.id,
                     env_vars=env, metadata=rec.metadata, access_token=rec.access_token,
                     created_at=time.time(), default_user=user, default_workdir=workdir,
+                    guest_unresponsive=guest_unresponsive,
                 )
                 t3 = time.perf_counter()
                 # Atomic (visible whole or not at all, across a server crash); durable against a

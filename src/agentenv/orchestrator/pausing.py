@@ -29,7 +29,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv.errors import GuestError, GuestUnresponsive, SandboxStateError, VmmError
+from agentenv.errors import (
+    GuestError,
+    GuestUnresponsive,
+    GuestUnresponsiveAtPause,
+    SandboxStateError,
+    VmmError,
+)
 from agentenv.orchestrator import parking
 from agentenv.orchestrator.forking import (
     GUEST_BOUND_S,
@@ -65,20 +71,29 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
         if live.record.state != State.RUNNING or live.machine is None or live.envd is None:
             raise state_error(sandbox_id, live.record.state, "running", live.record.error)
         t0 = time.perf_counter()
+        answered = True
         if not memory:
             await flush_guest(live.envd, sandbox_id)
-        elif require_healthy and not await live.envd.health(timeout=GUEST_BOUND_S):
-            raise GuestUnresponsive(f"sandbox {sandbox_id}: its guest agent does not answer, and the pause "
-                                    f"asked for a healthy guest; the sandbox keeps running")
+        else:
+            # A memory pause of a hung agent is taken all the same (unless asked not to), and
+            # marked: a resume with that memory would bring the hung agent back (E2B's rule).
+            answered = await live.envd.health(timeout=GUEST_BOUND_S)
+            if not answered and require_healthy:
+                raise GuestUnresponsive(f"sandbox {sandbox_id}: its guest agent does not answer, and the pause "
+                                        f"asked for a healthy guest; the sandbox keeps running")
+            if not answered:
+                log.warning("sandbox %s: its guest agent does not answer; paused with its memory, which only "
+                            "a resume without memory (a reboot) may use", sandbox_id)
         await orch._transition(live, State.PAUSING)
         machine = live.machine
         # With its VM parked, a resume soon continues that VM and does not read the memory
         # layer: a large one goes to the disk without filling the page cache (steadier pause,
         # no RAM); a small one is faster through the cache (memory_layers.capture).
-        park = memory and orch.settings.pause_linger_s > 0
+        park = memory and answered and orch.settings.pause_linger_s > 0
         try:
             cp, _ = await orch.checkpoints.capture(live.record, machine, kind="pause", seal_disk=False,
-                                                   keep_running=False, memory=memory, uncached=park)
+                                                   keep_running=False, memory=memory, uncached=park,
+                                                   guest_unresponsive=not answered)
         except BaseException as exc:
             if machine.exited:
                 await orch._fail(live, f"QEMU exited while pausing ({exc!r})")
@@ -136,6 +151,8 @@ async def resume(orch: Orchestrator, sandbox_id: str, timeout_s: int | None,
             raise state_error(sandbox_id, live.record.state, "paused", live.record.error)
         timeout = orch.validate_timeout(orch.settings.default_timeout_s if timeout_s is None else timeout_s)
         cp = live.record.paused
+        if memory and cp.guest_unresponsive and not cp.filesystem_only:
+            raise GuestUnresponsiveAtPause(sandbox_id)
         orch.check_count()
         if live.parked is not None and memory and not cp.filesystem_only:
             try:

@@ -98,6 +98,9 @@ class Checkpoint:
     created_at: float = 0.0
     default_user: str | None = None
     default_workdir: str | None = None
+    # A pause taken while the guest agent did not answer: restoring that memory brings the
+    # hung agent back, so only a resume without memory (a reboot of the disk) is allowed.
+    guest_unresponsive: bool = False
 
     @property
     def filesystem_only(self) -> bool:
