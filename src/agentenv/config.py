@@ -142,6 +142,8 @@ class Settings:
     def validate(self) -> None:
         if self.accel not in ("auto", "kvm", "tcg"):
             raise ValueError(f"AENV_ACCEL must be auto, kvm or tcg, not {self.accel!r}")
+        if not self.qmp_timeout_s > 0:
+            raise ValueError(f"AENV_QMP_TIMEOUT must be a number of seconds above 0, not {self.qmp_timeout_s}")
         if not 0 <= self.background_nice <= 19:
             raise ValueError(f"AENV_BACKGROUND_NICE must be a nice value from 0 (off) to 19, not {self.background_nice}")
         net = ipaddress.ip_network(self.slot_cidr)

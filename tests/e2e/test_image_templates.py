@@ -259,8 +259,8 @@ def test_no_image_is_cleaned_up_while_a_pull_is_in_progress(api: httpx.Client, r
                                                            tmp_path: Path) -> None:
     """A pull uses the layout it downloads or reuses before any template does: a clean-up
     meanwhile (a template's deletion, another pull's start) took an unused layout older than
-    10 minutes from under it. Clean-ups now hold off while a pull runs (here one that hangs
-    on a registry that never answers)."""
+    10 minutes from under it. Clean-ups now wait while a pull runs (here one that hangs on a
+    registry that never answers) and run when the last one ends."""
     (tmp_path / "gate.txt").write_text(f"{time.time_ns()}\n")  # an image of its own digest
     tar = tmp_path / "gate.tar"
     subprocess.run(["tar", "-C", str(tmp_path), "-cf", str(tar), "gate.txt"], check=True)
@@ -275,3 +275,4 @@ def test_no_image_is_cleaned_up_while_a_pull_is_in_progress(api: httpx.Client, r
         assert api.delete("/templates/gate").status_code == 204
         assert layout.is_dir(), "cleaned up while a pull was in progress"
     assert hanging.result(120).status_code >= 400  # (the hole closed)
+    assert not layout.exists(), "the clean-up asked for meanwhile runs once the last pull has ended"

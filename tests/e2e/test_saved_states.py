@@ -169,7 +169,9 @@ def test_a_fork_retried_with_an_idempotency_key_makes_its_children_once(api: htt
     """A trainer (or `aenv fork` on Ctrl-C) that lost a fork's answer asks again with the same
     key: it gets the children the first request made, concurrently or later, never new ones."""
     key = f"fork-{time.time_ns()}"
-    sandbox = api.post("/sandboxes", json={"templateID": "base", "metadata": {"k": key}}).json()["sandboxID"]
+    parent = api.post("/sandboxes", json={"templateID": "base", "metadata": {"k": key},
+                                          "network": {"allowPublicTraffic": False}}).json()
+    sandbox = parent["sandboxID"]
     with ThreadPoolExecutor(2) as ex:
         answers = list(ex.map(lambda _: api.post(f"/sandboxes/{sandbox}/fork", json={"count": 2},
                                                  headers={"Idempotency-Key": key}), range(2)))
@@ -177,6 +179,9 @@ def test_a_fork_retried_with_an_idempotency_key_makes_its_children_once(api: htt
     kids = [sorted(x["sandbox"]["sandboxID"] for x in r.json()) for r in answers]
     try:
         assert kids[0] == kids[1] and len(kids[0]) == 2
+        # A private sandbox's children each get a traffic token of their own.
+        tokens = {x["sandbox"]["trafficAccessToken"] for x in answers[0].json()} | {parent["trafficAccessToken"]}
+        assert len(tokens) == 3, tokens
         assert sorted(r.headers.get("idempotent-replayed", "") for r in answers) == ["", "true"]
         mine = {s["sandboxID"] for s in api.get("/sandboxes", params={"metadata": f"k={key}"}).json()} - {sandbox}
         assert mine == set(kids[0]), "a retried fork must not make more children"

@@ -34,3 +34,27 @@ async def test_a_burst_of_requests_makes_one_more_run_and_none_is_lost() -> None
     gc.request()  # after all that: a run of its own
     await asyncio.gather(*tasks)
     assert len(runs) == done + 1 and runs[-1] == requested
+
+
+async def test_a_run_that_fails_still_gives_the_requests_made_meanwhile_their_run() -> None:
+    runs = 0
+    tasks: set[asyncio.Task[object]] = set()
+
+    async def job() -> None:
+        nonlocal runs
+        runs += 1
+        await asyncio.sleep(0.02)
+        if runs == 1:
+            raise OSError("a manifest could not be read")
+
+    def start(work):
+        task = asyncio.get_running_loop().create_task(work)
+        tasks.add(task)
+        return task
+
+    gc = Coalesced(job, start)
+    gc.request()
+    await asyncio.sleep(0.01)  # the first run is under way
+    gc.request()
+    await asyncio.gather(*tasks)
+    assert runs == 2

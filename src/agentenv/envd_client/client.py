@@ -364,6 +364,18 @@ class EnvdClient:
             return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return None if 200 <= resp.status_code < 300 else f"HTTP {resp.status_code}"
 
+    async def answers_within(self, bound_s: float) -> bool:
+        """Whether ``/health`` answers within ``bound_s``: each probe may take all the time
+        left (an agent slowed by a loaded host still counts), and one that fails at once (a
+        restarting agent refuses, a stale connection breaks) is asked again until then."""
+        deadline = time.monotonic() + bound_s
+        while True:
+            if await self.health(timeout=max(0.05, deadline - time.monotonic())):
+                return True
+            if time.monotonic() >= deadline - 0.2:
+                return False
+            await asyncio.sleep(0.2)
+
     async def wait_healthy(self, deadline_s: float) -> None:
         """Poll /health until it succeeds; raise EnvdUnavailable after ``deadline_s`` seconds."""
         start = time.monotonic()

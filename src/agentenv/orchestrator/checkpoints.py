@@ -75,13 +75,18 @@ class Checkpointer:
 
     async def capture(self, rec: SandboxRecord, machine: Machine, *, kind: str, name: str | None = None,
                       seal_disk: bool, keep_running: bool, memory: bool = True,
-                      uncached: bool = False, guest_unresponsive: bool = False) -> tuple[Checkpoint, str]:
+                      uncached: bool = False,
+                      guest_probe: Awaitable[bool] | None = None) -> tuple[Checkpoint, str]:
         """Checkpoint the sandbox; returns the published checkpoint and the disk overlay the
         sandbox writes to from now on (a new one if the disk was sealed). ``memory=False``: a
         filesystem-only checkpoint (the caller had the guest flush its filesystems first).
-        ``uncached``: the memory layer is not read soon (``memory_layers.capture``)."""
+        ``uncached``: the memory layer is not read soon (``memory_layers.capture``).
+        ``guest_probe``: whether the guest agent answers, awaited before the VM stops (and
+        before the repository lock: a hung agent takes the probe's whole bound); recorded as
+        ``Checkpoint.guest_unresponsive``."""
         await asyncio.to_thread(self.repo.ensure_room)
         await machine.wait_jobs()  # a disk being streamed is not sealed
+        guest_unresponsive = guest_probe is not None and not await guest_probe
         env, user, workdir = self._guest_defaults(rec)
         undo = Cleanup(f"checkpoint of {rec.id}")
         disk_top = rec.disk_path

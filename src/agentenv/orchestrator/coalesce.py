@@ -11,8 +11,11 @@ starts after a request sees everything that request freed, so one is enough.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class Coalesced:
@@ -34,4 +37,7 @@ class Coalesced:
     async def _run(self) -> None:
         while self._wanted:
             self._wanted = False  # a request from here on gets a run that starts after it
-            await self._job()
+            try:
+                await self._job()
+            except Exception:  # noqa: BLE001 — logged; the requests made meanwhile still get their run
+                log.exception("background job %s failed", getattr(self._job, "__name__", self._job))

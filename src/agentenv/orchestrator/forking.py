@@ -365,10 +365,10 @@ async def fork(orch: Orchestrator, sandbox_id: str, count: int, timeout_s: int |
                 mem_file = None
                 if count >= MATERIALIZE_FROM:
                     mem_file = await orch.checkpoints.materialize(cp, fork_mem)
-                options = _child_options(src.options, idempotency)
-                results = await asyncio.gather(
+                results = await asyncio.gather(  # (options per child: each its own traffic token)
                     *(_new_sandbox(orch, cp, template=src.template, env_vars={}, metadata=src.metadata,
-                                   timeout_s=timeout, options=options, mem_file=mem_file)
+                                   timeout_s=timeout, options=_child_options(src.options, idempotency),
+                                   mem_file=mem_file)
                       for _ in range(count)),
                     return_exceptions=True)
         finally:

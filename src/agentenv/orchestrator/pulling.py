@@ -75,23 +75,31 @@ async def pull(orch: Orchestrator, image: str, *, name: str | None = None, usern
         raise InvalidRequest(f"diskSizeMB must be between 512 and {MAX_DISK_MB}, got {size}")
     # What earlier pulls left that no template uses (a conversion refused as too large keeps
     # its download): each pull clears it, not only a template's deletion.
-    async with orch.image_gate:
-        if orch.pulls_in_progress == 0:
-            await asyncio.to_thread(remove_unused_images, orch)
-        orch.pulls_in_progress += 1
+    await clean_unused_images(orch, starting_pull=True)
     try:
         return await _pull(orch, ref, name, size, username, password)
     finally:
         orch.pulls_in_progress -= 1
+        if orch.pulls_in_progress == 0 and orch.image_cleanup_wanted:
+            try:
+                await clean_unused_images(orch)
+            except Exception:  # noqa: BLE001 — the pull's own outcome stands
+                log.exception("removing unused images after the last pull failed")
 
 
-async def clean_unused_images(orch: Orchestrator) -> None:
-    """``remove_unused_images``, unless a pull is in progress: what it downloads or reuses is
-    used by no template until it registers one (and it may run for longer than any age that
-    would tell). Pulls start only once a clean-up in progress is done."""
+async def clean_unused_images(orch: Orchestrator, *, starting_pull: bool = False) -> None:
+    """``remove_unused_images``, once no pull is in progress: what a pull downloads or reuses
+    is used by no template until it registers one (and it may run for longer than any age
+    that would tell). One asked for meanwhile runs when the last pull ends. Pulls start only
+    once a clean-up in progress is done (``starting_pull``: the caller is one, counted here)."""
     async with orch.image_gate:
         if orch.pulls_in_progress == 0:
+            orch.image_cleanup_wanted = False
             await asyncio.to_thread(remove_unused_images, orch)
+        else:
+            orch.image_cleanup_wanted = True
+        if starting_pull:
+            orch.pulls_in_progress += 1
 
 
 async def _pull(orch: Orchestrator, ref: ImageRef, name: str, size: int, username: str | None,

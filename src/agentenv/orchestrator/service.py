@@ -165,6 +165,7 @@ class Orchestrator:
         self._image_locks: dict[str, asyncio.Lock] = {}
         self.image_gate = asyncio.Lock()  # image clean-ups and the start of pulls (pulling.py)
         self.pulls_in_progress = 0
+        self.image_cleanup_wanted = False  # skipped while pulls ran: the last one to end runs it
         from agentenv.orchestrator.builds import Builds
 
         self.builds = Builds(self)  # template builds from steps (orchestrator/builds)

@@ -541,8 +541,8 @@ class ProcessManager:
                 preopen=is_tool(cmd))  # a tools-drive program (fallback shell): not in the user's view
         except OSError as exc:
             stdio.close_all()
-            step = f"{exc.step}: " if isinstance(exc, SpawnFailed) else ""
-            raise ConnectError(start_error_code(exc), f"error starting process '{cmd}': {step}{exc.strerror}") from None
+            why = f"{exc.step}: {exc.strerror}" if isinstance(exc, SpawnFailed) else str(exc)
+            raise ConnectError(start_error_code(exc), f"error starting process '{cmd}': {why}") from None
         except BaseException:
             stdio.close_all()
             raise
@@ -688,7 +688,11 @@ RETRYABLE_START_ERRORS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, er
 
 
 def start_error_code(exc: OSError) -> str:
-    return "resource_exhausted" if exc.errno in RETRYABLE_START_ERRORS else "invalid_argument"
+    """A command the child could not exec is the request's fault; a process that could not be
+    made at all is the agent's (its spawn library, its namespace descriptor), unless a limit."""
+    if exc.errno in RETRYABLE_START_ERRORS:
+        return "resource_exhausted"
+    return "invalid_argument" if isinstance(exc, SpawnFailed) else "internal"
 
 
 def pty_dimensions(size: Any) -> tuple[int, int]:
