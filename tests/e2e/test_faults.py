@@ -20,11 +20,21 @@ from tests.framework.net import node_cidr
 from tests.framework.server import ServerProcess, all_sandboxes
 
 
+def _ns_identity(name: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(f"/run/netns/{name}")
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
 def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: ServerProcess) -> None:
     sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
     (pid,) = host.qemu_pids(sid)
     ns = json.loads((server.data_dir / "sandboxes" / sid / "machine.json").read_text())["netns"]
-    ns_inode = os.stat(f"/run/netns/{ns}").st_ino  # the namespace itself, not its reusable name
+    # The namespace itself, not its reusable name: the slot pool may make a new one under that
+    # name, and the kernel may give it the freed namespace's inode number, but not its birth.
+    ns_id = _ns_identity(ns)
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     r = api.get(f"/sandboxes/{sid}")
@@ -39,7 +49,12 @@ def test_qemu_killed_marks_error_and_frees_resources(api: httpx.Client, server: 
     assert sid not in [s["sandboxID"] for s in api.get("/sandboxes").json()]  # E2B clients' list
     # Slots are named by index and the slot pool may already have made a new one under the
     # same name: what must be gone is this sandbox's namespace.
-    assert ns not in host.netns_names() or os.stat(f"/run/netns/{ns}").st_ino != ns_inode, "namespace not freed"
+    def ns_freed() -> bool:
+        return _ns_identity(ns) != ns_id
+    deadline = time.monotonic() + 15
+    while not ns_freed() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ns_freed(), "namespace not freed"
     # Gone for every operation (404, as E2B answers for a sandbox that died), with the reason.
     for path, body in ((f"/sandboxes/{sid}/exec", {"cmd": "true"}), (f"/sandboxes/{sid}/pause", None),
                        (f"/sandboxes/{sid}/connect", {"timeout": 60}), (f"/sandboxes/{sid}/timeout", {"timeout": 60})):
