@@ -91,22 +91,19 @@ async def pause(orch: Orchestrator, sandbox_id: str, *, memory: bool = True,
         park = memory and orch.settings.pause_linger_s > 0
         try:
             await orch._transition(live, State.PAUSING)
-        except BaseException:
+            try:
+                cp, _ = await orch.checkpoints.capture(live.record, machine, kind="pause", seal_disk=False,
+                                                       keep_running=False, memory=memory, uncached=park,
+                                                       guest_probe=probe)
+            except BaseException as exc:
+                if machine.exited:
+                    await orch._fail(live, f"QEMU exited while pausing ({exc!r})")
+                else:
+                    await orch._revert(live, State.RUNNING)
+                raise
+        finally:
             if probe is not None:
-                probe.cancel()
-            raise
-        try:
-            cp, _ = await orch.checkpoints.capture(live.record, machine, kind="pause", seal_disk=False,
-                                                   keep_running=False, memory=memory, uncached=park,
-                                                   guest_probe=probe)
-        except BaseException as exc:
-            if probe is not None:
-                probe.cancel()
-            if machine.exited:
-                await orch._fail(live, f"QEMU exited while pausing ({exc!r})")
-            else:
-                await orch._revert(live, State.RUNNING)
-            raise
+                probe.cancel()  # (awaited by the capture, unless the pause failed before it)
         # Persist "paused" (with the checkpoint) before the VM is destroyed: a crash between
         # the two leaves a paused record and a stopped QEMU that recovery kills.
         try:

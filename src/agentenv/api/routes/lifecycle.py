@@ -147,8 +147,10 @@ async def fork(sandbox_id: str, request: Request) -> JSONResponse:
     else:
         asked = json.dumps({"fork": sandbox_id, **body.model_dump(mode="json", exclude_unset=True)}, sort_keys=True)
         replayed, made = await orch.creates.fork(key, hashlib.sha256(asked.encode()).hexdigest(), make)
-        results = made if made is not None else sorted(replayed, key=lambda rec: (rec.started_at, rec.id))
-        if made is None:
+        if made is not None:
+            results = made
+        else:
+            results = sorted(replayed, key=lambda rec: (rec.started_at, rec.id))
             headers["Idempotent-Replayed"] = "true"
     items: list[dict[str, object]] = []
     for r in results:

@@ -98,13 +98,15 @@ def _lines(buf: bytearray, data: bytes) -> list[str]:
 
 
 def _pieces(buf: bytearray, *, final: bool) -> list[str]:
+    """The whole MAX_LOG_LINE pieces of ``buf`` (taken out of it) and, when its line ended
+    (``final``), the rest: an empty line too, unless the pieces were the whole of it."""
     out = []
-    while len(buf) >= MAX_LOG_LINE or (final and (buf or not out)):
-        piece = bytes(buf[:MAX_LOG_LINE])
+    while len(buf) >= MAX_LOG_LINE:
+        out.append(bytes(buf[:MAX_LOG_LINE]).decode(errors="replace").rstrip("\r"))
         del buf[:MAX_LOG_LINE]
-        out.append(piece.decode(errors="replace").rstrip("\r"))
-        if final and not buf:
-            break
+    if final and (buf or not out):
+        out.append(bytes(buf).decode(errors="replace").rstrip("\r"))
+        buf.clear()
     return out
 
 
